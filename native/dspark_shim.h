@@ -1,0 +1,124 @@
+// pyllama-dspark native shim: a plain C ABI over the parts of llama.cpp that Python cannot reach
+// through llama-cpp-python (the staging C++ API in src/llama-ext.h) plus a small on-device
+// Markov-bias graph.  Every function that can fail returns a negative status and leaves a message
+// in dspark_last_error(); nothing here aborts on input it can check.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#    define DSPARK_API __declspec(dllexport)
+#else
+#    define DSPARK_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct llama_context;
+struct llama_model;
+
+#define DSPARK_ABI_VERSION 1
+#define DSPARK_MAX_TARGET_LAYERS 64
+
+enum dspark_status {
+    DSPARK_OK            = 0,
+    DSPARK_E_INVALID     = -1,  // bad argument (checked before calling llama.cpp)
+    DSPARK_E_STATE       = -2,  // call not valid in the current state (e.g. nothing captured yet)
+    DSPARK_E_LLAMA       = -3,  // llama.cpp returned an error (its code is in the message)
+    DSPARK_E_IO          = -4,  // file could not be read
+    DSPARK_E_UNSUPPORTED = -5,  // the model lacks what was asked for (no confidence head, ...)
+};
+
+DSPARK_API int32_t      dspark_abi_version(void);
+DSPARK_API const char * dspark_last_error(void);       // thread-local; "" when the last call succeeded
+DSPARK_API void *       dspark_llama_backend_init_address(void);  // &llama_backend_init as this library binds it
+
+// ---------------------------------------------------------------------------------------------
+// Target: layer-input capture and decoding through a reusable batch.
+typedef struct dspark_target dspark_target;
+
+// Enables capture of the inputs of the given layer ids (lid = input of 0-based layer lid, 0 =
+// token embeddings).  Valid ids: 0..n_layer-1, or 0..n_layer when allow_last != 0 (architectures
+// whose graph fills the last index).  n_ids may be 0 (decode only, no capture).  Must be called before the first decode that should capture.
+DSPARK_API dspark_target * dspark_target_new(struct llama_context * ctx, const int32_t * layer_ids, int32_t n_ids,
+                                  int32_t allow_last);
+DSPARK_API void            dspark_target_free(dspark_target * t);
+
+// Decodes n rows (token, pos, seq_id, output flag) in one llama_decode.  Features of every row are
+// captured.  Returns llama_decode's code (0 ok, 1 no KV slot) or a negative dspark_status.
+DSPARK_API int32_t dspark_target_decode(dspark_target * t, const int32_t * tokens, const int32_t * pos,
+                             const int32_t * seq_ids, const int8_t * outputs, int32_t n);
+// Rows captured by the last successful dspark_target_decode (0 before any).
+DSPARK_API int32_t dspark_target_n_captured(const dspark_target * t);
+// Row width of the gathered features: n_ids * n_embd of the target.
+DSPARK_API int32_t dspark_target_feature_width(const dspark_target * t);
+// Copies captured rows row0..row0+n_rows-1 token-major into out [n_rows, n_ids*n_embd].
+DSPARK_API int32_t dspark_target_copy_features(const dspark_target * t, int32_t row0, int32_t n_rows, float * out);
+
+// ---------------------------------------------------------------------------------------------
+// Output read-out helpers (any context): argmax of logits rows i0..i0+n-1 of the last decode, and
+// the gap between the best and second-best logit of each row (near-tie detection).
+DSPARK_API int32_t dspark_argmax_rows(struct llama_context * ctx, int32_t i0, int32_t n, int32_t * ids, float * margin);
+
+// ---------------------------------------------------------------------------------------------
+// Draft: DFlash / DSpark draft context (created by the caller with ctx_other = target context).
+typedef struct dspark_draft_meta {
+    int32_t n_target_layers;
+    int32_t target_layers[DSPARK_MAX_TARGET_LAYERS];
+    int32_t block_size;
+    int32_t mask_token_id;
+    int32_t sample_from_anchor;
+    int32_t causal;
+    int32_t has_confidence;   // metadata says so AND conf_proj.weight exists
+    int32_t has_markov;
+    int32_t markov_rank;
+    int32_t has_d2t;
+    int32_t n_vocab_draft;
+    int32_t n_embd;
+} dspark_draft_meta;
+
+// Reads the draft metadata from its GGUF file (no model load needed).
+DSPARK_API int32_t dspark_read_draft_meta(const char * path, dspark_draft_meta * out);
+
+typedef struct dspark_draft dspark_draft;
+
+// Sets up the draft context like llama.cpp's driver: nextn (confidence) rows on, attention causal
+// per metadata.  The target is used for feature-row width checks and direct injection.
+DSPARK_API dspark_draft * dspark_draft_new(struct llama_context * dft, const dspark_target * target, const char * path);
+DSPARK_API void           dspark_draft_free(dspark_draft * d);
+DSPARK_API int32_t        dspark_draft_get_meta(const dspark_draft * d, dspark_draft_meta * out);
+
+// Injects n feature rows [n, width] at positions pos[i] of seq_id.
+DSPARK_API int32_t dspark_draft_inject(dspark_draft * d, const float * rows, int32_t n, const int32_t * pos, int32_t seq_id);
+// Injects the target's captured rows row0..row0+n-1 at positions pos0..pos0+n-1 (no copy to Python).
+DSPARK_API int32_t dspark_draft_inject_captured(dspark_draft * d, int32_t row0, int32_t n, int32_t pos0, int32_t seq_id);
+// Decodes n_seqs blocks of block_len tokens each (tokens [n_seqs*block_len], positions from pos0[s]),
+// every row flagged as output (the draft graph ignores the output mask).
+DSPARK_API int32_t dspark_draft_decode_blocks(dspark_draft * d, const int32_t * tokens, int32_t block_len,
+                                   const int32_t * pos0, const int32_t * seq_ids, int32_t n_seqs);
+// Confidence c = element 0 of nextn rows i0..i0+n-1 of the last draft decode.
+DSPARK_API int32_t dspark_draft_confidence(dspark_draft * d, int32_t i0, int32_t n, float * out);
+
+// ---------------------------------------------------------------------------------------------
+// Markov head on the backend: bias(prev) = W2 . W1[prev] (times markov_w2.scale when present).
+typedef struct dspark_markov dspark_markov;
+
+// Loads markov_w1/markov_w2 (+ scale) from the draft GGUF onto the first GPU device when use_gpu
+// and one exists, else the CPU backend.
+DSPARK_API dspark_markov * dspark_markov_new(const char * draft_path, int32_t use_gpu, int32_t n_threads);
+DSPARK_API void            dspark_markov_free(dspark_markov * m);
+DSPARK_API int32_t         dspark_markov_rank(const dspark_markov * m);
+DSPARK_API int32_t         dspark_markov_n_vocab(const dspark_markov * m);        // rows of W1 (target vocab)
+DSPARK_API int32_t         dspark_markov_n_vocab_draft(const dspark_markov * m);  // rows of W2 (draft vocab)
+DSPARK_API const char *    dspark_markov_backend_name(const dspark_markov * m);
+// out [n, n_vocab_draft] = bias rows for prev[0..n-1].
+DSPARK_API int32_t dspark_markov_bias(dspark_markov * m, const int32_t * prev, int32_t n, float * out);
+// out [n, rank] = W1[prev] rows (the confidence head's second input).
+DSPARK_API int32_t dspark_markov_w1_rows(dspark_markov * m, const int32_t * prev, int32_t n, float * out);
+
+#ifdef __cplusplus
+}
+#endif

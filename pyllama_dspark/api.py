@@ -1,0 +1,117 @@
+"""Python API: a target (+ optional DSpark/DFlash draft) opened from paths, generating text.
+
+    from pyllama_dspark import Speculator
+    with Speculator("target.gguf", "draft.gguf") as sp:
+        for ev in sp.stream("Explain RoPE.", max_tokens=64):   # Chunk ... then Done
+            ...
+        done = sp.generate([1, 2, 3], max_tokens=32)            # token ids work too
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, List, Optional, Sequence, Union
+
+from .chat import build_chat_prompt
+from .drafter import DraftModelProposer, NoDraft, Proposer
+from .engine import Chunk, Done, SpecDecoder
+from .errors import ClosedError
+from .gguf_info import read_draft_info, read_target_info, validate_pair
+from .handles import ContextSettings, Draft, Target
+
+Prompt = Union[str, Sequence[int]]
+
+
+class Speculator:
+    """Owns a Target, an optional Draft and the decoder over them; close() frees all of it."""
+
+    def __init__(self, target_path: str, draft_path: Optional[str] = None, *,
+                 n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512,
+                 n_threads: Optional[int] = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
+                 n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False):
+        if int(n_max) <= 0:
+            raise ValueError(f"n_max must be >= 1, got {n_max}")
+        self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
+                                        flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, verbose=verbose)
+        self.settings.validate()
+        self.n_max = int(n_max)
+        self.warnings: List[str] = []
+        self.draft: Optional[Draft] = None
+        capture: Sequence[int] = ()
+        allow_last = False
+        if draft_path is not None:
+            # validate the pairing from the files before llama.cpp sees them (it aborts on mismatches)
+            dinfo = read_draft_info(draft_path)
+            tinfo = read_target_info(target_path)
+            self.warnings = list(validate_pair(dinfo, tinfo) or [])
+            capture = dinfo.target_layer_ids
+            allow_last = bool(tinfo.accepts_final_layer_id)
+        self.target = Target(target_path, self.settings, capture_layers=capture, allow_last_layer=allow_last)
+        try:
+            if draft_path is not None:
+                self.draft = Draft(draft_path, self.target, self.settings)
+                self.proposer: Proposer = proposer or DraftModelProposer(self.draft)
+            else:
+                self.proposer = proposer or NoDraft()
+        except BaseException:
+            self.target.close()
+            raise
+        self.decoder = SpecDecoder(self.target, self.proposer)
+        self._closed = False
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.proposer.close()
+        self.target.close()  # closes the draft first
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _alive(self):
+        if self._closed:
+            raise ClosedError("Speculator is closed")
+
+    # ---- prompts -------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> List[int]:
+        self._alive()
+        return self.target.tokenize(text, add_special=add_special, parse_special=True)
+
+    def chat_prompt(self, messages: Sequence[dict]):
+        self._alive()
+        return build_chat_prompt(self.target, messages)
+
+    def _prompt(self, prompt: Prompt, chat: bool, stop: Sequence[str]):
+        stop = list(stop)
+        if isinstance(prompt, str):
+            if chat:
+                cp = self.chat_prompt([{"role": "user", "content": prompt}])
+                return cp.tokens, stop + cp.stop
+            return self.tokenize(prompt), stop
+        return list(prompt), stop
+
+    # ---- generation ----------------------------------------------------------------------------
+    def stream(self, prompt: Prompt, max_tokens: int = 256, *, chat: bool = False, stop: Sequence[str] = (),
+               n_max: Optional[int] = None, ignore_eos: bool = False) -> Iterator[Union[Chunk, Done]]:
+        """Yield Chunk events (tokens + text) and finally a Done with text, tokens and stats."""
+        self._alive()
+        tokens, stop = self._prompt(prompt, chat, stop)
+        return self.decoder.stream(tokens, max_tokens, n_max=n_max or self.n_max, stop=stop, ignore_eos=ignore_eos)
+
+    def generate(self, prompt: Prompt, max_tokens: int = 256, **kw) -> Done:
+        done = None
+        for ev in self.stream(prompt, max_tokens, **kw):
+            if isinstance(ev, Done):
+                done = ev
+        return done

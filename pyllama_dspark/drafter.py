@@ -1,0 +1,120 @@
+"""Proposal sources behind one protocol: a DSpark/DFlash draft model, nothing, or (tests) an oracle.
+
+The engine calls, per sequence:
+  ``observe(row0, n, pos0)``  after a target decode: rows row0..row0+n-1 of that decode are now
+                              committed at positions pos0.. (their captured features may be used);
+  ``propose(anchor, pos0, n_draft)`` -> Proposal: up to n_draft tokens following ``anchor`` (which
+                              sits at position pos0 and is not yet in the target memory);
+  ``reset()``                 before a new generation.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .handles import Draft
+
+
+@dataclass
+class Proposal:
+    tokens: np.ndarray                      # int32 [k]
+    confidence: Optional[np.ndarray] = None  # float32 [k] (P(accepted | prefix accepted)), if known
+
+
+EMPTY = Proposal(np.zeros(0, dtype=np.int32))
+
+
+class Proposer:
+    name = "none"
+
+    def max_draft(self) -> int:
+        return 0
+
+    def reset(self, seq_id: int = 0) -> None:
+        pass
+
+    def observe(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        pass
+
+    def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
+        return EMPTY
+
+    def close(self) -> None:
+        pass
+
+
+class NoDraft(Proposer):
+    """Plain target decoding (one token per cycle)."""
+
+
+class DraftModelProposer(Proposer):
+    """A DFlash / DSpark block drafter running in its llama.cpp context.
+
+    DSpark with ``sample_from_anchor`` (anchor-first): block [anchor, mask x (k-1)], row i predicts
+    the token at pos0+1+i -> k drafts from k rows.  DFlash (and bonus-anchor DSpark): block
+    [anchor, mask x k], drafts read from rows 1..k.  The greedy Markov chain runs inside llama.cpp's
+    draft graph, so the argmax of each row is the DSpark greedy draft.
+    """
+
+    def __init__(self, draft: Draft):
+        self.draft = draft
+        m = draft.meta
+        self.meta = m
+        self.name = m.kind
+        self.offset = 0 if (m.has_markov and m.sample_from_anchor) else 1
+        self._max = max(0, m.block_size - self.offset)
+        cap = m.block_size + 1
+        self._block = np.full(cap, m.mask_token_id, dtype=np.int32)
+        self._ids = np.zeros(cap, dtype=np.int32)
+        self._margin = np.zeros(cap, dtype=np.float32)
+        self._conf = np.zeros(cap, dtype=np.float32)
+
+    def max_draft(self) -> int:
+        return self._max
+
+    def reset(self, seq_id: int = 0) -> None:
+        self.draft.seq_rm(seq_id, 0, -1)
+
+    def observe(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        self.draft.inject_captured(row0, n, pos0, seq_id)
+
+    def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
+        if n_draft <= 0:
+            return EMPTY
+        n_draft = min(n_draft, self._max)
+        n_block = n_draft + self.offset
+        block = self._block[:n_block]
+        block[0] = anchor
+        block[1:] = self.meta.mask_token_id
+        d = self.draft
+        d.decode_block(block, pos0, seq_id)
+        d.argmax(self.offset, n_draft, self._ids, self._margin)
+        conf = None
+        if self.meta.has_confidence:
+            d.confidence(self.offset, n_draft, self._conf)
+            conf = self._conf[:n_draft].copy()
+        # the block is non-causal: its noise K/V must not survive into the next block
+        d.seq_rm(seq_id, pos0, -1)
+        return Proposal(self._ids[:n_draft].copy(), conf)
+
+    def close(self) -> None:
+        self.draft.close()
+
+
+def clamp_n_max(n_max: int, proposer: Proposer) -> int:
+    """Validate n_max and clamp it to what the drafter was trained for (with a warning, as llama.cpp)."""
+    if int(n_max) <= 0:
+        raise ValueError(f"n_max must be >= 1, got {n_max}")
+    limit = proposer.max_draft()
+    if isinstance(proposer, NoDraft):
+        return 0
+    if n_max > limit:
+        warnings.warn(
+            f"requested n_max={n_max} exceeds what the {proposer.name} draft can produce per block "
+            f"({limit}); clamping to {limit}", stacklevel=3)
+        return limit
+    return int(n_max)

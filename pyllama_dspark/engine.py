@@ -1,0 +1,266 @@
+"""The anchor-first speculative cycle for one sequence, as a generator of events.
+
+    prefill (n_batch chunks, features of every chunk observed by the proposer)
+    repeat: propose -> verify [anchor, drafts] in one target decode -> accept (pure rule)
+            -> roll back the target's rejected tail -> proposer observes the committed rows
+
+At temperature 0 the emitted tokens are exactly the target's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Union
+
+import numpy as np
+
+from .drafter import NoDraft, Proposer, clamp_n_max
+from .errors import ContextOverflowError
+from .handles import Target
+from .verify import greedy_accept
+
+
+@dataclass
+class Stats:
+    n_prompt: int = 0
+    n_generated: int = 0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    near_ties: int = 0                   # verify rows whose top-2 logit gap was below tie_eps
+    pos_drafted: List[int] = field(default_factory=list)   # position k reached (prefix accepted)
+    pos_accepted: List[int] = field(default_factory=list)
+    verify_lengths: List[int] = field(default_factory=list)
+    ms_prefill: float = 0.0
+    ms_draft: float = 0.0
+    ms_verify: float = 0.0
+    ms_inject: float = 0.0
+    ms_total: float = 0.0                # generation phase (after prefill)
+
+    def record(self, n_drafted: int, n_acc: int) -> None:
+        self.cycles += 1
+        self.drafted += n_drafted
+        self.accepted += n_acc
+        self.verify_lengths.append(n_drafted)
+        while len(self.pos_drafted) < n_drafted:
+            self.pos_drafted.append(0)
+            self.pos_accepted.append(0)
+        # position k is "tried" when all earlier ones were accepted (conditional acceptance)
+        for k in range(min(n_acc + 1, n_drafted)):
+            self.pos_drafted[k] += 1
+        for k in range(n_acc):
+            self.pos_accepted[k] += 1
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
+
+    @property
+    def accept_per_position(self) -> List[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted)]
+
+    @property
+    def ms_overhead(self) -> float:
+        return max(0.0, self.ms_total - self.ms_draft - self.ms_verify - self.ms_inject)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.n_generated / (self.ms_total / 1e3) if self.ms_total > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "n_prompt": self.n_prompt,
+            "n_generated": self.n_generated,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "tau": round(self.tau, 4),
+            "cycles": self.cycles,
+            "near_ties": self.near_ties,
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "accept_per_position": [round(x, 4) for x in self.accept_per_position],
+            "ms": {
+                "prefill": round(self.ms_prefill, 3),
+                "draft": round(self.ms_draft, 3),
+                "verify": round(self.ms_verify, 3),
+                "inject": round(self.ms_inject, 3),
+                "overhead": round(self.ms_overhead, 3),
+                "total": round(self.ms_total, 3),
+            },
+        }
+
+    def summary(self) -> str:
+        per = " ".join(f"{x:.2f}" for x in self.accept_per_position)
+        c = max(self.cycles, 1)
+        return (f"prompt {self.n_prompt} tok, generated {self.n_generated} tok in {self.ms_total:.1f} ms "
+                f"({self.tokens_per_second:.2f} tok/s); cycles {self.cycles}, drafted {self.drafted}, "
+                f"accepted {self.accepted}, tau {self.tau:.3f}; per-position acceptance [{per}]; "
+                f"ms/cycle draft {self.ms_draft / c:.2f} verify {self.ms_verify / c:.2f} "
+                f"inject {self.ms_inject / c:.2f} overhead {self.ms_overhead / c:.3f}")
+
+
+@dataclass
+class Chunk:
+    """Tokens emitted by one cycle and the text they completed (held back near stop strings)."""
+    tokens: List[int]
+    text: str
+
+
+@dataclass
+class Done:
+    tokens: List[int]
+    text: str
+    finish_reason: str  # "stop" (EOG or stop string) or "length"
+    stats: Stats
+
+
+class _TextStream:
+    """Incremental UTF-8 detokenization with stop strings; never emits text past a stop string."""
+
+    def __init__(self, target: Target, stop: Sequence[str]):
+        self.target = target
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, token: int) -> None:
+        self.text += self.dec.decode(self.target.token_to_piece(token))
+        if self.stop:
+            start = max(0, self.sent - self.hold - 1)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+
+    def flush(self, final: bool = False) -> str:
+        if final and not self.stopped:
+            self.text += self.dec.decode(b"", final=True)
+        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self.hold)
+        out = self.text[self.sent:end]
+        self.sent = end
+        return out
+
+
+class SpecDecoder:
+    """Speculative decoding of one sequence on a Target with a pluggable Proposer."""
+
+    def __init__(self, target: Target, proposer: Optional[Proposer] = None, *, seq_id: int = 0,
+                 tie_eps: float = 1e-3):
+        self.target = target
+        self.proposer = proposer or NoDraft()
+        self.seq_id = seq_id
+        self.tie_eps = tie_eps
+        cap = target.n_batch
+        self._verify = np.zeros(cap, dtype=np.int32)
+        self._ids = np.zeros(cap, dtype=np.int32)
+        self._margin = np.zeros(cap, dtype=np.float32)
+
+    def check_prompt(self, prompt: Sequence[int]) -> np.ndarray:
+        toks = np.asarray(list(prompt), dtype=np.int32)
+        if toks.size == 0:
+            raise ValueError("the prompt is empty")
+        if toks.min() < 0 or toks.max() >= self.target.n_vocab:
+            raise ValueError(f"prompt token ids must be in 0..{self.target.n_vocab - 1}")
+        if toks.size + 1 > self.target.n_ctx:
+            raise ContextOverflowError(
+                f"prompt of {toks.size} tokens does not fit the context of {self.target.n_ctx} tokens")
+        return toks
+
+    def stream(self, prompt: Sequence[int], max_tokens: int = 256, *, n_max: int = 7,
+               stop: Sequence[str] = (), ignore_eos: bool = False) -> Iterator[Union[Chunk, Done]]:
+        """Yield a Chunk per cycle, then one Done with the whole result and its Stats."""
+        toks = self.check_prompt(prompt)
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        n_max = clamp_n_max(n_max, self.proposer) if not isinstance(self.proposer, NoDraft) else 0
+        tgt, prop, seq = self.target, self.proposer, self.seq_id
+        stats = Stats(n_prompt=int(toks.size))
+        clock = time.perf_counter
+
+        tgt.seq_rm(seq, 0, -1)
+        prop.reset(seq)
+
+        # ---- prefill ----
+        t0 = clock()
+        nb = tgt.n_batch
+        for c0 in range(0, toks.size, nb):
+            chunk = toks[c0:c0 + nb]
+            tgt.decode(chunk, c0, seq, all_outputs=False)
+            prop.observe(0, len(chunk), c0, seq)
+        tgt.argmax(len(chunk) - 1, 1, self._ids, self._margin)
+        anchor = int(self._ids[0])
+        stats.ms_prefill = (clock() - t0) * 1e3
+
+        out_tokens: List[int] = []
+        text = _TextStream(tgt, stop)
+        t_gen = clock()
+        pos0 = int(toks.size)
+        pending = [anchor]  # tokens emitted but not yet reported
+
+        def emit(tok: int) -> Optional[str]:
+            out_tokens.append(tok)
+            if not ignore_eos and tgt.is_eog(tok):
+                return "stop"
+            text.push(tok)
+            if text.stopped:
+                return "stop"
+            if len(out_tokens) >= max_tokens:
+                return "length"
+            return None
+
+        finish = emit(anchor)
+        while finish is None:
+            remaining_ctx = tgt.n_ctx - pos0 - 1
+            if remaining_ctx < 0:
+                finish = "length"
+                break
+            n_draft = min(n_max, remaining_ctx, max_tokens - len(out_tokens) - 1)
+            t1 = clock()
+            proposal = prop.propose(anchor, pos0, n_draft, seq) if n_draft > 0 else None
+            t2 = clock()
+            drafts = proposal.tokens if proposal is not None else self._ids[:0]
+            k = len(drafts)
+            v = self._verify[:k + 1]
+            v[0] = anchor
+            v[1:] = drafts
+            tgt.decode(v, pos0, seq, all_outputs=True)
+            tgt.argmax(0, k + 1, self._ids, self._margin)
+            t3 = clock()
+            n_acc = greedy_accept(drafts, self._ids)
+            stats.near_ties += int(np.count_nonzero(self._margin[:n_acc + 1] < self.tie_eps))
+            stats.record(k, n_acc)
+            prop.observe(0, n_acc + 1, pos0, seq)
+            if n_acc < k:
+                tgt.seq_rm(seq, pos0 + n_acc + 1, -1)
+            t4 = clock()
+            stats.ms_draft += (t2 - t1) * 1e3
+            stats.ms_verify += (t3 - t2) * 1e3
+            stats.ms_inject += (t4 - t3) * 1e3
+            emitted = self._ids[:n_acc + 1].tolist()
+            for tok in emitted:
+                pending.append(tok)
+                finish = emit(tok)
+                if finish is not None:
+                    break
+            anchor = emitted[-1]
+            pos0 += n_acc + 1
+            if finish is None:
+                yield Chunk(pending, text.flush())
+                pending = []
+        stats.ms_total = (clock() - t_gen) * 1e3
+        stats.n_generated = len(out_tokens)
+        tail = text.flush(final=True)
+        if pending or tail:
+            yield Chunk(pending, tail)
+        yield Done(out_tokens, text.text, finish, stats)
+
+    def generate(self, prompt: Sequence[int], max_tokens: int = 256, **kw) -> Done:
+        done = None
+        for ev in self.stream(prompt, max_tokens, **kw):
+            if isinstance(ev, Done):
+                done = ev
+        return done
