@@ -1,0 +1,21 @@
+"""pyllama-dspark: DSpark speculative decoding for llama.cpp, driven from Python.
+
+Heavy modules (ctypes, llama.cpp) load lazily: ``from pyllama_dspark import Speculator``.
+"""
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: F401
+    ClosedError, ContextOverflowError, DraftMismatchError, DSparkError, ModelFileError, NativeError,
+    UnsupportedArchError,
+)
+
+
+def __getattr__(name):
+    if name == "Speculator":
+        from .api import Speculator
+        return Speculator
+    if name in ("SpecDecoder", "Stats", "Chunk", "Done"):
+        from . import engine
+        return getattr(engine, name)
+    raise AttributeError(name)

