@@ -107,7 +107,7 @@ class Speculator:
         """Yield Chunk events (tokens + text) and finally a Done with text, tokens and stats."""
         self._alive()
         tokens, stop = self._prompt(prompt, chat, stop)
-        return self.decoder.stream(tokens, max_tokens, n_max=n_max or self.n_max, stop=stop, ignore_eos=ignore_eos)
+        return self.decoder.stream(tokens, max_tokens, n_max=self.n_max if n_max is None else n_max, stop=stop, ignore_eos=ignore_eos)
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, **kw) -> Done:
         done = None
