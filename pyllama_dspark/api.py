@@ -15,15 +15,16 @@ from typing import Iterator, List, Optional, Sequence, Union
 from .chat import build_chat_prompt
 from .drafter import DraftModelProposer, NoDraft, Proposer
 from .engine import Chunk, Done, SpecDecoder
-from .errors import ClosedError
 from .gguf_info import read_draft_info, read_target_info, validate_pair
-from .handles import ContextSettings, Draft, Target
+from .handles import ContextSettings, Draft, Owned, Target
 
 Prompt = Union[str, Sequence[int]]
 
 
-class Speculator:
+class Speculator(Owned):
     """Owns a Target, an optional Draft and the decoder over them; close() frees all of it."""
+
+    _what = "Speculator"
 
     def __init__(self, target_path: str, draft_path: Optional[str] = None, *,
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512,
@@ -66,22 +67,6 @@ class Speculator:
         self._closed = True
         self.proposer.close()
         self.target.close()  # closes the draft first
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def _alive(self):
-        if self._closed:
-            raise ClosedError("Speculator is closed")
 
     # ---- prompts -------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> List[int]:

@@ -99,7 +99,7 @@ def read_draft_meta(path: str) -> DraftMeta:
     return DraftMeta.from_native(m)
 
 
-class _Owned:
+class Owned:
     """Base: a closed flag, a context manager, and a guard for use-after-close."""
 
     _closed = True
@@ -160,7 +160,7 @@ class ContextSettings:
         return p
 
 
-class _ModelCtx(_Owned):
+class _ModelCtx(Owned):
     """A llama_model + one llama_context over it."""
 
     def _load(self, path: str, settings: ContextSettings, ctx_other=None) -> None:
@@ -408,7 +408,7 @@ class Draft(_ModelCtx):
         nat.check(nat.draft_confidence(self.handle, i0, n, nat.ptr_f32(out)), "draft confidence")
 
 
-class MarkovHead(_Owned):
+class MarkovHead(Owned):
     """The draft's Markov head on the backend its weights live on: bias(prev) = W2 . W1[prev]."""
 
     _what = "Markov head"
