@@ -5,7 +5,12 @@ The engine calls, per sequence:
                               committed at positions pos0.. (their captured features may be used);
   ``propose(anchor, pos0, n_draft)`` -> Proposal: up to n_draft tokens following ``anchor`` (which
                               sits at position pos0 and is not yet in the target memory);
+  ``rollback(p0)``            positions >= p0 were rejected: forget them;
   ``reset()``                 before a new generation.
+
+Like llama.cpp's server, the engine always asks for a full ``n_max`` block and truncates the
+proposal itself when fewer tokens may be drafted (near max_tokens / the end of the context): the
+block is non-causal, so its length changes what the draft predicts.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ class Proposer:
 
     def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
         return EMPTY
+
+    def rollback(self, p0: int, seq_id: int = 0) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -100,6 +108,9 @@ class DraftModelProposer(Proposer):
         # the block is non-causal: its noise K/V must not survive into the next block
         d.seq_rm(seq_id, pos0, -1)
         return Proposal(self._ids[:n_draft].copy(), conf)
+
+    def rollback(self, p0: int, seq_id: int = 0) -> None:
+        self.draft.seq_rm(seq_id, p0, -1)
 
     def close(self) -> None:
         self.draft.close()

@@ -32,7 +32,8 @@ class Stats:
     near_ties: int = 0                   # verify rows whose top-2 logit gap was below tie_eps
     pos_drafted: List[int] = field(default_factory=list)   # position k reached (prefix accepted)
     pos_accepted: List[int] = field(default_factory=list)
-    verify_lengths: List[int] = field(default_factory=list)
+    verify_lengths: List[int] = field(default_factory=list)   # drafts verified per cycle
+    cycle_accepted: List[int] = field(default_factory=list)   # drafts accepted per cycle
     ms_prefill: float = 0.0
     ms_draft: float = 0.0
     ms_verify: float = 0.0
@@ -44,6 +45,7 @@ class Stats:
         self.drafted += n_drafted
         self.accepted += n_acc
         self.verify_lengths.append(n_drafted)
+        self.cycle_accepted.append(n_acc)
         while len(self.pos_drafted) < n_drafted:
             self.pos_drafted.append(0)
             self.pos_accepted.append(0)
@@ -213,16 +215,18 @@ class SpecDecoder:
             return None
 
         finish = emit(anchor)
+        eog = None if ignore_eos else tgt.eog_mask
         while finish is None:
-            remaining_ctx = tgt.n_ctx - pos0 - 1
-            if remaining_ctx < 0:
+            if pos0 + 1 >= tgt.n_ctx:
                 finish = "length"
                 break
-            n_draft = min(n_max, remaining_ctx, max_tokens - len(out_tokens) - 1)
+            # llama-server's limit: room in the context, and max_tokens not exceeded inside a block
+            n_draft_max = min(tgt.n_ctx - pos0 - 2, max_tokens - len(out_tokens) - 1)
             t1 = clock()
-            proposal = prop.propose(anchor, pos0, n_draft, seq) if n_draft > 0 else None
+            drafts = self._ids[:0]
+            if n_max > 0 and n_draft_max > 0:
+                drafts = prop.propose(anchor, pos0, n_max, seq).tokens[:n_draft_max]
             t2 = clock()
-            drafts = proposal.tokens if proposal is not None else self._ids[:0]
             k = len(drafts)
             v = self._verify[:k + 1]
             v[0] = anchor
@@ -230,12 +234,15 @@ class SpecDecoder:
             tgt.decode(v, pos0, seq, all_outputs=True)
             tgt.argmax(0, k + 1, self._ids, self._margin)
             t3 = clock()
-            n_acc = greedy_accept(drafts, self._ids)
+            n_acc = greedy_accept(drafts, self._ids, eog)
             stats.near_ties += int(np.count_nonzero(self._margin[:n_acc + 1] < self.tie_eps))
             stats.record(k, n_acc)
-            prop.observe(0, n_acc + 1, pos0, seq)
+            # like llama.cpp: the draft gets the features of every verify row, then both memories
+            # drop the rejected positions
+            prop.observe(0, k + 1, pos0, seq)
             if n_acc < k:
                 tgt.seq_rm(seq, pos0 + n_acc + 1, -1)
+                prop.rollback(pos0 + n_acc + 1, seq)
             t4 = clock()
             stats.ms_draft += (t2 - t1) * 1e3
             stats.ms_verify += (t3 - t2) * 1e3

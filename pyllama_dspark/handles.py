@@ -235,6 +235,7 @@ class Target(_ModelCtx):
                  capture_layers: Sequence[int] = (), allow_last_layer: bool = False):
         self._drafts: "weakref.WeakSet[Draft]" = weakref.WeakSet()
         self.handle = None
+        self._eog = None
         self._load(path, settings or ContextSettings())
         self.n_layer = int(ll.llama_model_n_layer(self.model))
         ids = np.asarray(list(capture_layers), dtype=np.int32)
@@ -297,7 +298,16 @@ class Target(_ModelCtx):
         return b"".join(self.token_to_piece(t, special) for t in tokens)
 
     def is_eog(self, token: int) -> bool:
-        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+        return bool(self.eog_mask[token]) if 0 <= token < self.n_vocab else False
+
+    @property
+    def eog_mask(self) -> np.ndarray:
+        """bool [n_vocab]: end-of-generation tokens (computed once)."""
+        if self._eog is None:
+            self._alive()
+            self._eog = np.fromiter((ll.llama_vocab_is_eog(self.vocab, t) for t in range(self.n_vocab)),
+                                    dtype=bool, count=self.n_vocab)
+        return self._eog
 
     def meta(self, key: str) -> Optional[str]:
         self._alive()

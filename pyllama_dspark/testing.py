@@ -439,3 +439,51 @@ def make_test_draft(
             pass
         raise
     return out_path
+
+
+# --------------------------------------------------------------------------------------------
+# a draft that actually gets accepted: bigrams planted in the Markov head
+# --------------------------------------------------------------------------------------------
+
+def plant_markov_bigrams(draft_path, sequences: Sequence[Sequence[int]], strength: float = 200.0,
+                         drop_every: int = 0) -> int:
+    """Turn a random DSpark draft's Markov head into a bigram table, in place.
+
+    For every token ``a`` in ``sequences`` the first successor ``b`` seen gets one rank slot:
+    ``W1[a, s] = 1`` and ``W2[b, s] = strength``, so ``bias(a) = W2.W1[a]`` puts ``strength`` on
+    ``b`` and llama.cpp's in-graph (argmax-conditioned) Markov chain proposes the sequence itself
+    wherever it is a deterministic bigram chain.  Tokens with several successors, bigrams beyond
+    the rank, and every ``drop_every``-th bigram (when > 0) fall back to the random base logits, so
+    the draft gets partial acceptances — a real DSpark draft running entirely inside llama.cpp,
+    which makes it a fixture for comparing drivers (ours vs llama.cpp's C++ one).
+    Returns the number of rank slots used.
+    """
+    import gguf
+
+    r = gguf.GGUFReader(os.fspath(draft_path), "r+")
+    tensors = {t.name: t for t in r.tensors}
+    if "markov_w1.weight" not in tensors or "markov_w2.weight" not in tensors:
+        raise ValueError(f"{draft_path} has no Markov head")
+    w1, w2 = tensors["markov_w1.weight"].data, tensors["markov_w2.weight"].data  # [n_vocab, R] views
+    if w1.dtype != np.float32 or w2.dtype != np.float32:
+        raise ValueError("plant_markov_bigrams needs an F32 Markov head")
+    rank = w1.shape[1]
+    w1[...] = 0.0
+    w2[...] = 0.0
+    successor: Dict[int, int] = {}
+    for seq in sequences:
+        for a, b in zip(seq[:-1], seq[1:]):
+            successor.setdefault(int(a), int(b))
+    slots: Dict[int, int] = {}
+    for i, (a, b) in enumerate(successor.items()):
+        if drop_every and i % drop_every == drop_every - 1:
+            continue
+        if b not in slots:
+            if len(slots) == rank:
+                continue
+            slots[b] = len(slots)
+            w2[b, slots[b]] = strength
+        w1[a, slots[b]] = 1.0
+    r.data.flush()
+    del r
+    return len(slots)
