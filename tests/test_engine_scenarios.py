@@ -34,6 +34,19 @@ def test_greedy_accept(drafted, target, n_acc):
     assert greedy_emitted(d, t).tolist() == target[: n_acc + 1]
 
 
+def test_greedy_accept_eog_rule():
+    # llama.cpp: an accepted EOG draft that is not the last draft ends acceptance (not counted);
+    # a trailing EOG draft is accepted
+    eog = np.zeros(10, dtype=bool)
+    eog[2] = True
+    t = np.array([5, 2, 7, 8], dtype=np.int32)
+    assert greedy_accept(np.array([5, 2, 7], dtype=np.int32), t, eog) == 1
+    assert greedy_emitted(np.array([5, 2, 7], dtype=np.int32), t, eog).tolist() == [5, 2]
+    assert greedy_accept(np.array([5, 7, 2], dtype=np.int32), np.array([5, 7, 2, 8]), eog) == 3
+    assert greedy_accept(np.array([2, 7], dtype=np.int32), np.array([2, 7, 8]), eog) == 0
+    assert greedy_accept(np.array([2, 7], dtype=np.int32), np.array([2, 7, 8]), None) == 2
+
+
 def test_greedy_accept_needs_enough_rows():
     with pytest.raises(ValueError):
         greedy_accept(np.array([1, 2]), np.array([1, 2]))
