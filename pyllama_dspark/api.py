@@ -5,6 +5,7 @@
         for ev in sp.stream("Explain RoPE.", max_tokens=64):   # Chunk ... then Done
             ...
         done = sp.generate([1, 2, 3], max_tokens=32)            # token ids work too
+        done = sp.generate("Hi", 32, sampling=SamplingParams(temperature=1.0, seed=7))  # T > 0
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .drafter import DraftModelProposer, NoDraft, Proposer
 from .engine import Chunk, Done, SpecDecoder
 from .gguf_info import read_draft_info, read_target_info, validate_pair
 from .handles import ContextSettings, Draft, Owned, Target
+from .sampling import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
 
@@ -88,11 +90,16 @@ class Speculator(Owned):
 
     # ---- generation ----------------------------------------------------------------------------
     def stream(self, prompt: Prompt, max_tokens: int = 256, *, chat: bool = False, stop: Sequence[str] = (),
-               n_max: Optional[int] = None, ignore_eos: bool = False) -> Iterator[Union[Chunk, Done]]:
-        """Yield Chunk events (tokens + text) and finally a Done with text, tokens and stats."""
+               n_max: Optional[int] = None, ignore_eos: bool = False,
+               sampling: Optional[SamplingParams] = None) -> Iterator[Union[Chunk, Done]]:
+        """Yield Chunk events (tokens + text) and finally a Done with text, tokens and stats.
+
+        ``sampling``: None or temperature 0 = greedy; else lossless speculative sampling with
+        llama.cpp's sampler chain (:class:`~.sampling.SamplingParams`)."""
         self._alive()
         tokens, stop = self._prompt(prompt, chat, stop)
-        return self.decoder.stream(tokens, max_tokens, n_max=self.n_max if n_max is None else n_max, stop=stop, ignore_eos=ignore_eos)
+        return self.decoder.stream(tokens, max_tokens, n_max=self.n_max if n_max is None else n_max, stop=stop,
+                                   ignore_eos=ignore_eos, sampling=sampling)
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, **kw) -> Done:
         done = None

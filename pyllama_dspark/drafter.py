@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from .handles import Draft
 class Proposal:
     tokens: np.ndarray                      # int32 [k]
     confidence: Optional[np.ndarray] = None  # float32 [k] (P(accepted | prefix accepted)), if known
+    # T > 0 only: probs[i] is the distribution tokens[i] was drawn from (float64 [k, n_vocab] or a
+    # sequence of such rows); None means a deterministic proposal (q = one-hot at tokens[i])
+    probs: Optional[Sequence[np.ndarray]] = None
 
 
 EMPTY = Proposal(np.zeros(0, dtype=np.int32))
@@ -47,6 +50,14 @@ class Proposer:
 
     def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
         return EMPTY
+
+    def propose_sampled(self, anchor: int, pos0: int, n_draft: int, sampler, seq_id: int = 0) -> Proposal:
+        """Temperature > 0: drafts drawn with ``sampler`` (a :class:`~.sampling.TokenSampler`) and
+        the distributions they were drawn from (``Proposal.probs``).
+
+        The default is the deterministic proposal (``probs`` None: q is one-hot at each token),
+        which speculative sampling verifies losslessly too."""
+        return self.propose(anchor, pos0, n_draft, seq_id)
 
     def rollback(self, p0: int, seq_id: int = 0) -> None:
         pass

@@ -4,7 +4,11 @@
     repeat: propose -> verify [anchor, drafts] in one target decode -> accept (pure rule)
             -> roll back the target's rejected tail -> proposer observes the committed rows
 
-At temperature 0 the emitted tokens are exactly the target's greedy tokens.
+At temperature 0 the emitted tokens are exactly the target's greedy tokens.  At temperature > 0
+(``sampling=SamplingParams(...)``) the anchor after the prompt is sampled from the target, the
+proposer draws its drafts (with the distributions they came from) and speculative sampling
+(:func:`~.verify.speculative_accept`) makes the output distributed exactly as plain sampling from
+the target with the same sampler chain; a fixed seed makes it deterministic.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import numpy as np
 from .drafter import NoDraft, Proposer, clamp_n_max
 from .errors import ContextOverflowError
 from .handles import Target
-from .verify import greedy_accept
+from .sampling import SamplingParams, TokenSampler
+from .verify import greedy_accept, speculative_accept
 
 
 @dataclass
@@ -173,11 +178,22 @@ class SpecDecoder:
         return toks
 
     def stream(self, prompt: Sequence[int], max_tokens: int = 256, *, n_max: int = 7,
-               stop: Sequence[str] = (), ignore_eos: bool = False) -> Iterator[Union[Chunk, Done]]:
-        """Yield a Chunk per cycle, then one Done with the whole result and its Stats."""
+               stop: Sequence[str] = (), ignore_eos: bool = False,
+               sampling: Optional[SamplingParams] = None) -> Iterator[Union[Chunk, Done]]:
+        """Yield a Chunk per cycle, then one Done with the whole result and its Stats.
+
+        ``sampling`` None (or temperature <= 0) is greedy decoding; otherwise speculative sampling
+        with llama.cpp's sampler chain and these parameters."""
         toks = self.check_prompt(prompt)
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        smp = None if sampling is None or sampling.is_greedy else TokenSampler(sampling, toks.tolist())
+        return self._stream(toks, max_tokens, n_max, stop, ignore_eos, smp)
+
+    def _stream(self, toks: np.ndarray, max_tokens: int, n_max: int, stop: Sequence[str], ignore_eos: bool,
+                smp: Optional[TokenSampler]) -> Iterator[Union[Chunk, Done]]:
         n_max = clamp_n_max(n_max, self.proposer) if not isinstance(self.proposer, NoDraft) else 0
         tgt, prop, seq = self.target, self.proposer, self.seq_id
         stats = Stats(n_prompt=int(toks.size))
@@ -193,8 +209,12 @@ class SpecDecoder:
             chunk = toks[c0:c0 + nb]
             tgt.decode(chunk, c0, seq, all_outputs=False)
             prop.observe(0, len(chunk), c0, seq)
-        tgt.argmax(len(chunk) - 1, 1, self._ids, self._margin)
-        anchor = int(self._ids[0])
+        if smp is None:
+            tgt.argmax(len(chunk) - 1, 1, self._ids, self._margin)
+            anchor = int(self._ids[0])
+        else:
+            anchor = smp.sample(smp.probs(tgt.logits_view(len(chunk) - 1)))
+            smp.accept((anchor,))
         stats.ms_prefill = (clock() - t0) * 1e3
 
         out_tokens: List[int] = []
@@ -224,18 +244,33 @@ class SpecDecoder:
             n_draft_max = min(tgt.n_ctx - pos0 - 2, max_tokens - len(out_tokens) - 1)
             t1 = clock()
             drafts = self._ids[:0]
+            q = None
             if n_max > 0 and n_draft_max > 0:
-                drafts = prop.propose(anchor, pos0, n_max, seq).tokens[:n_draft_max]
+                if smp is None:
+                    drafts = prop.propose(anchor, pos0, n_max, seq).tokens[:n_draft_max]
+                else:
+                    proposal = _propose_sampled(prop, anchor, pos0, n_max, smp, seq)
+                    drafts = np.asarray(proposal.tokens[:n_draft_max], dtype=np.int32)
+                    q = proposal.probs
             t2 = clock()
             k = len(drafts)
             v = self._verify[:k + 1]
             v[0] = anchor
             v[1:] = drafts
             tgt.decode(v, pos0, seq, all_outputs=True)
-            tgt.argmax(0, k + 1, self._ids, self._margin)
-            t3 = clock()
-            n_acc = greedy_accept(drafts, self._ids, eog)
-            stats.near_ties += int(np.count_nonzero(self._margin[:n_acc + 1] < self.tie_eps))
+            if smp is None:
+                tgt.argmax(0, k + 1, self._ids, self._margin)
+                t3 = clock()
+                n_acc = greedy_accept(drafts, self._ids, eog)
+                stats.near_ties += int(np.count_nonzero(self._margin[:n_acc + 1] < self.tie_eps))
+                emitted = self._ids[:n_acc + 1].tolist()
+            else:
+                t3 = clock()
+                drafts = drafts.copy()
+                q_rows = _OneHotRows(drafts, tgt.n_vocab) if q is None else q
+                p_rows = _TargetRows(tgt, smp, drafts)
+                n_acc, emitted = speculative_accept(drafts, q_rows, p_rows, smp.rng.random, eog)
+                smp.accept(emitted)
             stats.record(k, n_acc)
             # like llama.cpp: the draft gets the features of every verify row, then both memories
             # drop the rejected positions
@@ -247,7 +282,6 @@ class SpecDecoder:
             stats.ms_draft += (t2 - t1) * 1e3
             stats.ms_verify += (t3 - t2) * 1e3
             stats.ms_inject += (t4 - t3) * 1e3
-            emitted = self._ids[:n_acc + 1].tolist()
             for tok in emitted:
                 pending.append(tok)
                 finish = emit(tok)
@@ -271,3 +305,40 @@ class SpecDecoder:
             if isinstance(ev, Done):
                 done = ev
         return done
+
+
+def _propose_sampled(prop, anchor: int, pos0: int, n_draft: int, smp: TokenSampler, seq: int):
+    fn = getattr(prop, "propose_sampled", None)
+    if fn is None:  # a duck-typed proposer without sampling support: deterministic proposal
+        return prop.propose(anchor, pos0, n_draft, seq)
+    return fn(anchor, pos0, n_draft, smp, seq)
+
+
+class _OneHotRows:
+    """q rows of a deterministic proposal: one-hot at each drafted token (built on demand)."""
+
+    def __init__(self, tokens: np.ndarray, n_vocab: int):
+        self.tokens = tokens
+        self.n_vocab = n_vocab
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        row = np.zeros(self.n_vocab, dtype=np.float64)
+        row[self.tokens[i]] = 1.0
+        return row
+
+
+class _TargetRows:
+    """p rows of the verify decode through the sampler chain, computed on first use.
+
+    Row i follows the anchor and drafts[:i]: the penalty history is extended with drafts[:i]."""
+
+    def __init__(self, target: Target, smp: TokenSampler, drafts: np.ndarray):
+        self.target = target
+        self.smp = smp
+        self.drafts = drafts
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.smp.probs(self.target.logits_view(i), self.drafts[:i])

@@ -13,7 +13,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import llama_cpp
@@ -225,6 +225,15 @@ class _ModelCtx(Owned):
             raise NativeError(f"row {i} of the last decode has no logits (not flagged as output)")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
+    def logits_view(self, i: int) -> np.ndarray:
+        """Output row i of the last decode without a copy (float32 [n_vocab]); valid until the next
+        decode on this context: copy it if it must outlive that."""
+        self._alive()
+        ptr = ll.llama_get_logits_ith(self.ctx, i)
+        if not ptr:
+            raise NativeError(f"row {i} of the last decode has no logits (not flagged as output)")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
 
 class Target(_ModelCtx):
     """The target model, its context and the shim's capture/decode handle."""
@@ -353,6 +362,96 @@ class Target(_ModelCtx):
         out = np.empty((n, self.feature_width), dtype=np.float32)
         nat.check(nat.target_copy_features(self.handle, row0, n, nat.ptr_f32(out)), "copy target features")
         return out
+
+
+class BorrowedTarget(Target):
+    """A target context owned by someone else (llama-cpp-python's ``Llama``), with capture enabled.
+
+    Same interface as :class:`Target` (decode, argmax, features, tokenize, drafts attach to it), but
+    ``close()`` frees only what this object made (the shim's capture handle and the drafts attached
+    to it), never the context or the model.  The owner must close this object before it frees the
+    context (the integration layer hooks the owner's close for that).  Capture stays enabled on the
+    context afterwards (turning it off would force llama.cpp to re-reserve its graph).
+    """
+
+    _what = "borrowed target"
+
+    def __init__(self, ctx, settings: ContextSettings, capture_layers: Sequence[int] = (),
+                 allow_last_layer: bool = False):
+        if not ctx:
+            raise ClosedError("the llama_context to borrow is NULL (its owner was closed?)")
+        self._drafts: "weakref.WeakSet[Draft]" = weakref.WeakSet()
+        self.handle = None
+        self._eog = None
+        self.path = None
+        self.settings = settings
+        self.ctx = ctx
+        self.model = ll.llama_get_model(ctx)
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
+        self.n_embd = int(ll.llama_model_n_embd(self.model))
+        self.n_ctx = int(ll.llama_n_ctx(ctx))
+        self.n_batch = int(ll.llama_n_batch(ctx))
+        self.n_seq_max = int(ll.llama_n_seq_max(ctx))
+        self.memory = ll.llama_get_memory(ctx)
+        self.n_layer = int(ll.llama_model_n_layer(self.model))
+        ids = np.asarray(list(capture_layers), dtype=np.int32)
+        hi = self.n_layer if allow_last_layer else self.n_layer - 1
+        bad = [int(i) for i in ids if i < 0 or i > hi]
+        if bad:
+            raise DraftMismatchError(
+                f"target layer ids {bad} are outside 0..{hi} for this target (n_layer = {self.n_layer})")
+        self.capture_layers = [int(i) for i in ids]
+        self.handle = nat.target_new(ctx, nat.ptr_i32(ids) if len(ids) else None, len(ids),
+                                     1 if allow_last_layer else 0)
+        if not self.handle:
+            raise NativeError(f"enabling target feature capture: {nat.error_message()}")
+        self._closed = False
+        self.feature_width = int(nat.target_feature_width(self.handle))
+        self._ones = np.ones(self.n_batch, dtype=np.int8)
+        self._zeros = np.zeros(self.n_batch, dtype=np.int8)
+        self._seq = np.zeros(self.n_batch, dtype=np.int32)
+        self._pos = np.arange(self.n_batch, dtype=np.int32)
+        self.n_decodes = 0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for d in list(getattr(self, "_drafts", ())):
+            d.close()
+        if getattr(self, "handle", None):
+            nat.target_free(self.handle)
+            self.handle = None
+        # borrowed: forget the pointers, free nothing
+        self.ctx = self.model = self.vocab = self.memory = None
+        self._closed = True
+
+    def decode_foreign_batch(self, batch) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """Decode a ``llama_batch`` built by the owner (e.g. ``LlamaBatch.batch``) through the shim.
+
+        The rows (token, pos, seq id, output flag) go into one llama_decode on the same context, as
+        the owner's own ``llama_decode(ctx, batch)`` would, but their layer inputs are captured.
+        Returns (positions, seq_ids) of the decoded rows, or None *without decoding* when the batch
+        cannot take this path (embedding input, a row in several sequences, empty or > n_batch rows):
+        the caller then decodes it itself (no features for those rows).  Raises NativeError when
+        llama_decode fails.
+        """
+        self._alive()
+        n = int(batch.n_tokens)
+        if n <= 0 or n > self.n_batch or bool(batch.embd) or not batch.token:
+            return None
+        n_seq = np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))
+        if np.any(n_seq != 1):
+            return None
+        tokens = np.ctypeslib.as_array(batch.token, shape=(n,)).astype(np.int32)
+        pos = np.ctypeslib.as_array(batch.pos, shape=(n,)).astype(np.int32)
+        outputs = np.ctypeslib.as_array(batch.logits, shape=(n,)).astype(np.int8)
+        seq_ids = np.fromiter((batch.seq_id[i][0] for i in range(n)), dtype=np.int32, count=n)
+        rc = nat.target_decode(self.handle, nat.ptr_i32(tokens), nat.ptr_i32(pos), nat.ptr_i32(seq_ids),
+                               nat.ptr_i8(outputs), n)
+        self.n_decodes += 1
+        nat.check(rc, "target decode (llama-cpp-python batch)")
+        return pos, seq_ids
 
 
 class Draft(_ModelCtx):

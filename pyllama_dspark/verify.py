@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
+
+from .sampling import sample_from
 
 
 def greedy_accept(drafted: np.ndarray, target_argmax: np.ndarray, eog: Optional[np.ndarray] = None) -> int:
@@ -38,3 +40,47 @@ def greedy_emitted(drafted: np.ndarray, target_argmax: np.ndarray, eog: Optional
     """The tokens a greedy verification emits: accepted drafts plus the target's next token."""
     n_acc = greedy_accept(drafted, target_argmax, eog)
     return np.asarray(target_argmax[: n_acc + 1])
+
+
+def speculative_accept(drafted: np.ndarray, draft_probs, target_probs, uniforms,
+                       eog: Optional[np.ndarray] = None) -> Tuple[int, List[int]]:
+    """Speculative sampling (Leviathan et al. / Chen et al.): lossless at any temperature.
+
+    ``drafted[i]`` was drawn from ``draft_probs[i]`` (a probability vector over the vocabulary);
+    ``target_probs[i]`` is the target's distribution at the same position (i = 0 follows the
+    anchor), with ``len(drafted) + 1`` rows (the last is the bonus row).  Both may be lazy
+    sequences: row i is only read once the drafts before it are accepted.  ``uniforms`` yields
+    independent U[0, 1) numbers (a callable taking no argument, e.g. ``rng.random``).
+
+    Left to right, draft x_i is accepted with probability min(1, p(x_i) / q(x_i)); at the first
+    rejection the emitted token is drawn from norm(max(p - q, 0)); after a fully accepted block the
+    bonus is drawn from the last target row.  An accepted end-of-generation draft (``eog``) ends
+    the block there (nothing after it is emitted).
+
+    Returns ``(n_acc, emitted)``: the number of accepted drafts and the emitted tokens (the
+    accepted drafts, then the resampled / bonus token unless an EOG draft ended the block).
+    """
+    n = len(drafted)
+    emitted: List[int] = []
+    for i in range(n):
+        x = int(drafted[i])
+        q = draft_probs[i]
+        p = target_probs[i]
+        qx = float(q[x])
+        if not qx > 0.0:
+            raise ValueError(f"draft token {x} at position {i} has draft probability {qx}: it was not drawn from q")
+        px = float(p[x])
+        u = uniforms()
+        if px >= qx or u * qx < px:
+            emitted.append(x)
+            if eog is not None and eog[x]:
+                return i + 1, emitted
+            continue
+        resid = np.maximum(np.asarray(p, dtype=np.float64) - np.asarray(q, dtype=np.float64), 0.0)
+        if not resid.sum() > 0.0:  # p == q up to rounding: a rejection had probability ~0
+            resid = np.asarray(p, dtype=np.float64)
+        emitted.append(sample_from(resid, uniforms()))
+        return i, emitted
+    emitted.append(sample_from(np.asarray(target_probs[n], dtype=np.float64), uniforms()))
+    return n, emitted
+

@@ -1,0 +1,247 @@
+"""Sampling parameters and llama.cpp's sampler chain as probability vectors (numpy, no llama.cpp).
+
+One function, :func:`chain_probs`, turns a logits row into the distribution llama.cpp's default
+chain samples from, so the target's p_t and the draft's p_d go through exactly the same
+truncation.  The chain follows ``common/sampling.cpp`` (order penalties -> top_k -> top_p ->
+min_p -> temperature -> dist; DRY, typical-p, top-n-sigma, XTC and mirostat are not supported):
+
+* penalties: over the last ``penalty_last_n`` tokens of the sequence (prompt + generated, as
+  llama-server feeds its sampler), a token seen ``c`` times gets its logit divided by
+  ``repeat_penalty`` (multiplied when the logit is <= 0), minus ``c * frequency_penalty +
+  presence_penalty``;
+* ``top_k`` (<= 0: off): the k largest logits;
+* ``top_p`` (>= 1: off): the smallest prefix, by decreasing logit, whose softmax mass (of the
+  untempered candidates) reaches p;
+* ``min_p`` (<= 0: off): logits >= max + log(min_p);
+* temperature: logits / T, softmax.
+
+The penalties are a deterministic function of the sequence prefix, so speculative sampling stays
+lossless with them: the draft and the target see the same history (committed tokens plus the
+drafted prefix) at every block position.
+
+``temperature <= 0`` means greedy: the engine then takes its exact greedy path and never calls
+into this module's chain.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["SamplingParams", "TokenSampler", "chain_probs", "sample_from", "resolve_seed"]
+
+# llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed"
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """llama.cpp sampling parameters; the defaults are llama.cpp's (``common_params_sampling``).
+
+    ``seed`` None, -1 or 0xFFFFFFFF draws a random seed per generation; any other value makes the
+    generation deterministic.  ``penalty_last_n`` -1 means the whole sequence, 0 disables the
+    penalties.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: Optional[int] = None
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+
+    def __post_init__(self):
+        self.validate()
+
+    @classmethod
+    def greedy(cls) -> "SamplingParams":
+        return cls(temperature=0.0)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.penalty_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+
+    def with_seed(self, seed: Optional[int]) -> "SamplingParams":
+        return replace(self, seed=seed)
+
+    def validate(self) -> None:
+        def num(name, integral=False):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise TypeError(f"sampling parameter {name} must be a number, got {v!r}")
+            if integral and float(v) != int(v):
+                raise ValueError(f"sampling parameter {name} must be an integer, got {v!r}")
+            if not math.isfinite(float(v)):
+                raise ValueError(f"sampling parameter {name} must be finite, got {v!r}")
+            return v
+
+        for n in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+            num(n)
+        num("top_k", True)
+        num("penalty_last_n", True)
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repeat_penalty <= 0.0:
+            raise ValueError(f"repeat_penalty must be > 0 (1.0 = off), got {self.repeat_penalty}")
+        if self.penalty_last_n < -1:
+            raise ValueError(f"penalty_last_n must be >= -1 (-1 = whole sequence, 0 = off), got {self.penalty_last_n}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+                raise TypeError(f"seed must be an integer or None, got {self.seed!r}")
+            if self.seed < -1:
+                raise ValueError(f"seed must be >= 0 (or -1 / None for a random seed), got {self.seed}")
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def resolve_seed(seed: Optional[int]) -> int:
+    """The seed a generation uses: ``seed`` itself, or a fresh random one for None / -1 / 0xFFFFFFFF."""
+    if seed is None or seed == -1 or seed == LLAMA_DEFAULT_SEED:
+        return int(np.random.SeedSequence().entropy % (1 << 63))
+    return int(seed)
+
+
+# ---- the chain ---------------------------------------------------------------------------------
+
+def apply_penalties(logits: np.ndarray, window: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """A copy of ``logits`` with llama.cpp's repeat/frequency/presence penalties over ``window``."""
+    out = np.array(logits, dtype=np.float32, copy=True)
+    if window.size == 0:
+        return out
+    ids, counts = np.unique(window, return_counts=True)
+    v = out[ids]
+    if params.repeat_penalty != 1.0:
+        rp = np.float32(params.repeat_penalty)
+        v = np.where(v <= 0, v * rp, v / rp).astype(np.float32)
+    v = v - (counts.astype(np.float32) * np.float32(params.frequency_penalty) + np.float32(params.presence_penalty))
+    out[ids] = v
+    return out
+
+
+def _top_p_keep(l: np.ndarray, p: float) -> np.ndarray:
+    """Indices (into l) of the smallest decreasing-logit prefix whose softmax mass reaches p."""
+    n = l.size
+    mx = float(l.max())
+    e = np.exp(l.astype(np.float64) - mx)
+    total = e.sum()
+    # adaptive like llama.cpp: try the 256 largest first, sort everything only if they fall short
+    k = min(256, n)
+    if k < n:
+        part = np.argpartition(-l, k - 1)[:k]
+    else:
+        part = np.arange(n)
+    order = part[np.argsort(-l[part], kind="stable")]
+    cum = np.cumsum(e[order]) / total
+    hit = np.flatnonzero(cum >= p)
+    if hit.size == 0 and k < n:
+        order = np.argsort(-l, kind="stable")
+        cum = np.cumsum(e[order]) / total
+        hit = np.flatnonzero(cum >= p)
+    m = int(hit[0]) + 1 if hit.size else n
+    return order[:m]
+
+
+def chain_probs(logits: np.ndarray, params: SamplingParams, window: Optional[np.ndarray] = None,
+                out: Optional[np.ndarray] = None) -> np.ndarray:
+    """The distribution (float64 [n_vocab], zeros outside the kept set) the chain samples from.
+
+    ``window``: the token ids the penalties look at (already cut to the last ``penalty_last_n``).
+    """
+    if params.is_greedy:
+        raise ValueError("chain_probs needs temperature > 0 (temperature <= 0 is the greedy path)")
+    x = np.asarray(logits)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"logits must be a non-empty 1-D row, got shape {x.shape}")
+    if params.has_penalties and window is not None and len(window):
+        x = apply_penalties(x, np.asarray(window, dtype=np.int64), params)
+    n = x.size
+    idx = None
+    k = int(params.top_k)
+    if 0 < k < n:
+        idx = np.argpartition(x, n - k)[n - k:]
+        l = x[idx]
+    else:
+        l = x
+    if params.top_p < 1.0:
+        keep = _top_p_keep(l, params.top_p)
+        idx = keep if idx is None else idx[keep]
+        l = l[keep]
+    if params.min_p > 0.0:
+        mx = np.float32(l.max())
+        thr = np.float32(mx + np.float32(math.log(params.min_p)))
+        keep = np.flatnonzero(l >= thr)
+        idx = keep if idx is None else idx[keep]
+        l = l[keep]
+    z = l.astype(np.float64) / float(params.temperature)
+    mx = z.max()
+    if not np.isfinite(mx):
+        raise ValueError("no finite logit survives the sampler chain")
+    e = np.exp(z - mx)
+    e /= e.sum()
+    if out is None:
+        out = np.zeros(n, dtype=np.float64)
+    else:
+        out[:] = 0.0
+    if idx is None:
+        out[:] = e
+    else:
+        out[idx] = e
+    return out
+
+
+def sample_from(probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw: the first id whose cumulative probability exceeds u * total."""
+    nz = np.flatnonzero(probs)
+    if nz.size == 0:
+        raise ValueError("cannot sample from an all-zero distribution")
+    c = np.cumsum(probs[nz])
+    j = int(np.searchsorted(c, u * c[-1], side="right"))
+    return int(nz[min(j, nz.size - 1)])
+
+
+class TokenSampler:
+    """Sampler state for one generation: parameters, a seeded RNG and the penalty history."""
+
+    def __init__(self, params: SamplingParams, history: Iterable[int] = ()):
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
+        if params.is_greedy:
+            raise ValueError("TokenSampler is for temperature > 0")
+        self.params = params
+        self.seed = resolve_seed(params.seed)
+        self.rng = np.random.default_rng(self.seed)
+        self.history: list = list(history) if params.has_penalties else []
+
+    def window(self, extra: Sequence[int] = ()) -> Optional[np.ndarray]:
+        """The last penalty_last_n tokens of history + extra (None when penalties are off)."""
+        if not self.params.has_penalties:
+            return None
+        n = self.params.penalty_last_n
+        seq = self.history + list(extra) if len(extra) else self.history
+        return np.asarray(seq if n < 0 else seq[-n:], dtype=np.int64)
+
+    def probs(self, logits: np.ndarray, extra: Sequence[int] = ()) -> np.ndarray:
+        """Chain distribution of a logits row, the sequence being history + ``extra``."""
+        return chain_probs(logits, self.params, self.window(extra))
+
+    def sample(self, probs: np.ndarray) -> int:
+        return sample_from(probs, self.rng.random())
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        """Tokens committed to the sequence (only tracked when penalties are on)."""
+        if self.params.has_penalties:
+            self.history.extend(int(t) for t in tokens)
