@@ -157,5 +157,11 @@ def make_test_draft_cmd(target, output, kind, n_layers, block_size, markov_rank,
     click.echo(f"wrote {output}")
 
 
+# commands in their own modules
+from .cmd_serve import serve as _serve  # noqa: E402
+
+main.add_command(_serve)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
