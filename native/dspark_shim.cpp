@@ -513,9 +513,10 @@ extern "C" int32_t dspark_markov_n_vocab_draft(const dspark_markov * m) { return
 extern "C" const char * dspark_markov_backend_name(const dspark_markov * m) { return m ? m->backend_name.c_str() : ""; }
 
 namespace {
-// Runs get_rows(W1, prev) (and, when with_w2, W2 . that, scaled) on the backend; copies the result.
-int32_t markov_run(dspark_markov * m, const int32_t * prev, int32_t n, float * out, bool with_w2) {
-    if (!m || !prev || !out || n <= 0) return fail(DSPARK_E_INVALID, "bad argument");
+// Runs get_rows(W1, prev) on the backend and copies it to out_w1 (when given), and W2 . that
+// (scaled) to out_bias (when given): one graph, one compute.
+int32_t markov_run2(dspark_markov * m, const int32_t * prev, int32_t n, float * out_bias, float * out_w1) {
+    if (!m || !prev || (!out_bias && !out_w1) || n <= 0) return fail(DSPARK_E_INVALID, "bad argument");
     const int64_t n_vocab = m->w1->ne[1];
     for (int32_t i = 0; i < n; ++i) {
         if (prev[i] < 0 || prev[i] >= n_vocab) return fail(DSPARK_E_INVALID, "token %d out of vocab (%lld)", prev[i], (long long) n_vocab);
@@ -524,16 +525,21 @@ int32_t markov_run(dspark_markov * m, const int32_t * prev, int32_t n, float * o
     ggml_context * gctx = ggml_init(ip);
     ggml_tensor * ids = ggml_new_tensor_1d(gctx, GGML_TYPE_I32, n);
     ggml_set_input(ids);
-    ggml_tensor * res = ggml_get_rows(gctx, m->w1, ids);  // [rank, n]
-    if (with_w2) {
-        res = ggml_mul_mat(gctx, m->w2, res);              // [n_vocab_draft, n]
-        if (m->w2s) res = ggml_mul(gctx, res, m->w2s);
-    } else if (res->type != GGML_TYPE_F32) {
-        res = ggml_cast(gctx, res, GGML_TYPE_F32);
-    }
-    ggml_set_output(res);
+    ggml_tensor * rows = ggml_get_rows(gctx, m->w1, ids);  // [rank, n]
+    ggml_tensor * w1_out = nullptr;
+    ggml_tensor * bias = nullptr;
     ggml_cgraph * gf = ggml_new_graph(gctx);
-    ggml_build_forward_expand(gf, res);
+    if (out_bias) {
+        bias = ggml_mul_mat(gctx, m->w2, rows);             // [n_vocab_draft, n]
+        if (m->w2s) bias = ggml_mul(gctx, bias, m->w2s);
+        ggml_set_output(bias);
+        ggml_build_forward_expand(gf, bias);
+    }
+    if (out_w1) {
+        w1_out = rows->type == GGML_TYPE_F32 ? rows : ggml_cast(gctx, rows, GGML_TYPE_F32);
+        ggml_set_output(w1_out);
+        ggml_build_forward_expand(gf, w1_out);
+    }
     int32_t rc = DSPARK_OK;
     if (!ggml_gallocr_alloc_graph(m->galloc, gf)) {
         rc = fail(DSPARK_E_LLAMA, "cannot allocate the Markov graph");
@@ -542,12 +548,19 @@ int32_t markov_run(dspark_markov * m, const int32_t * prev, int32_t n, float * o
         if (ggml_backend_graph_compute(m->backend, gf) != GGML_STATUS_SUCCESS) {
             rc = fail(DSPARK_E_LLAMA, "Markov graph compute failed");
         } else {
-            ggml_backend_tensor_get(res, out, 0, ggml_nbytes(res));
+            if (bias) ggml_backend_tensor_get(bias, out_bias, 0, ggml_nbytes(bias));
+            if (w1_out) ggml_backend_tensor_get(w1_out, out_w1, 0, ggml_nbytes(w1_out));
             ok();
         }
     }
     ggml_free(gctx);
     return rc;
+}
+
+// Runs get_rows(W1, prev) (and, when with_w2, W2 . that, scaled) on the backend; copies the result.
+int32_t markov_run(dspark_markov * m, const int32_t * prev, int32_t n, float * out, bool with_w2) {
+    if (!out) return fail(DSPARK_E_INVALID, "bad argument");
+    return with_w2 ? markov_run2(m, prev, n, out, nullptr) : markov_run2(m, prev, n, nullptr, out);
 }
 }  // namespace
 
@@ -557,4 +570,8 @@ extern "C" int32_t dspark_markov_bias(dspark_markov * m, const int32_t * prev, i
 
 extern "C" int32_t dspark_markov_w1_rows(dspark_markov * m, const int32_t * prev, int32_t n, float * out) {
     return markov_run(m, prev, n, out, false);
+}
+
+extern "C" int32_t dspark_markov_bias_w1(dspark_markov * m, const int32_t * prev, int32_t n, float * out_bias, float * out_w1) {
+    return markov_run2(m, prev, n, out_bias, out_w1);
 }

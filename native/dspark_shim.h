@@ -118,6 +118,10 @@ DSPARK_API const char *    dspark_markov_backend_name(const dspark_markov * m);
 DSPARK_API int32_t dspark_markov_bias(dspark_markov * m, const int32_t * prev, int32_t n, float * out);
 // out [n, rank] = W1[prev] rows (the confidence head's second input).
 DSPARK_API int32_t dspark_markov_w1_rows(dspark_markov * m, const int32_t * prev, int32_t n, float * out);
+// Both in one device call: out_bias [n, n_vocab_draft] = bias rows, out_w1 [n, rank] = W1[prev] rows
+// (either output may be NULL, not both).  Used once per block position when sampling at T > 0.
+DSPARK_API int32_t dspark_markov_bias_w1(dspark_markov * m, const int32_t * prev, int32_t n, float * out_bias,
+                                         float * out_w1);
 
 #ifdef __cplusplus
 }

@@ -133,6 +133,8 @@ markov_backend_name = _proto("dspark_markov_backend_name", c_char_p, c_void_p)
 markov_bias = _proto("dspark_markov_bias", c_int32, c_void_p, _p_i32, c_int32, _p_f32)
 # int32_t dspark_markov_w1_rows(dspark_markov * m, const int32_t * prev, int32_t n, float * out);
 markov_w1_rows = _proto("dspark_markov_w1_rows", c_int32, c_void_p, _p_i32, c_int32, _p_f32)
+# int32_t dspark_markov_bias_w1(dspark_markov * m, const int32_t * prev, int32_t n, float * out_bias, float * out_w1);
+markov_bias_w1 = _proto("dspark_markov_bias_w1", c_int32, c_void_p, _p_i32, c_int32, _p_f32, _p_f32)
 
 if abi_version() != ABI_VERSION:
     raise NativeError(f"shim ABI {abi_version()} != expected {ABI_VERSION}: reinstall pyllama-dspark")

@@ -79,11 +79,14 @@ class DraftModelProposer(Proposer):
     draft graph, so the argmax of each row is the DSpark greedy draft.
     """
 
-    def __init__(self, draft: Draft):
+    def __init__(self, draft: Draft, conditioning: str = "sampled"):
         self.draft = draft
         m = draft.meta
         self.meta = m
         self.name = m.kind
+        self.conditioning = conditioning
+        self._block_sampler = None  # built on the first T > 0 proposal (loads the Markov head)
+        self._markov = None
         self.offset = 0 if (m.has_markov and m.sample_from_anchor) else 1
         self._max = max(0, m.block_size - self.offset)
         cap = m.block_size + 1
@@ -120,10 +123,48 @@ class DraftModelProposer(Proposer):
         d.seq_rm(seq_id, pos0, -1)
         return Proposal(self._ids[:n_draft].copy(), conf)
 
+    def _sampler(self):
+        if self._block_sampler is None:
+            from .draft_sampling import BlockSampler, read_conf_head, read_d2t
+            from .handles import MarkovHead
+
+            d, m = self.draft, self.meta
+            markov = conf = d2t = None
+            if m.has_markov:
+                s = d.settings
+                markov = MarkovHead(d.path, use_gpu=s.n_gpu_layers > 0, n_threads=s.n_threads or 0)
+                self._markov = markov
+                if m.has_confidence:
+                    conf = read_conf_head(d.path, d.n_embd, markov.rank)
+            if m.has_d2t:
+                d2t = read_d2t(d.path)
+            self._block_sampler = BlockSampler(d, markov, conf, d2t, self.conditioning)
+        return self._block_sampler
+
+    def propose_sampled(self, anchor: int, pos0: int, n_draft: int, sampler, seq_id: int = 0) -> Proposal:
+        """T > 0: the block decode as for greedy, then drafts drawn left to right from
+        chain(U_k + B(x_{k-1})) with x_{k-1} the token drawn before (see :mod:`.draft_sampling`)."""
+        if n_draft <= 0:
+            return EMPTY
+        bs = self._sampler()
+        n_draft = min(n_draft, self._max)
+        n_block = n_draft + self.offset
+        block = self._block[:n_block]
+        block[0] = anchor
+        block[1:] = self.meta.mask_token_id
+        d = self.draft
+        d.decode_block(block, pos0, seq_id, hidden=bs.conf is not None and bs.conditioning == "sampled")
+        tokens, q, conf = bs.sample(anchor, self.offset, n_draft, sampler)
+        d.seq_rm(seq_id, pos0, -1)
+        return Proposal(tokens, conf, q)
+
     def rollback(self, p0: int, seq_id: int = 0) -> None:
         self.draft.seq_rm(seq_id, p0, -1)
 
     def close(self) -> None:
+        if self._markov is not None:
+            self._markov.close()
+            self._markov = None
         self.draft.close()
 
 

@@ -488,6 +488,7 @@ class Draft(_ModelCtx):
     def inject_captured(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
         """Inject the target's captured rows row0.. (last target decode) at pos0.. of seq_id."""
         self._alive()
+        self._hidden_rows = 0
         nat.check(nat.draft_inject_captured(self.handle, row0, n, pos0, seq_id), "draft inject")
 
     def inject(self, rows: np.ndarray, pos: np.ndarray, seq_id: int = 0) -> None:
@@ -496,16 +497,29 @@ class Draft(_ModelCtx):
         pos = np.ascontiguousarray(pos, dtype=np.int32)
         if rows.ndim != 2 or rows.shape[1] != self.target.feature_width or len(pos) != rows.shape[0]:
             raise ValueError(f"feature rows must be [n, {self.target.feature_width}] with n positions")
+        self._hidden_rows = 0
         nat.check(nat.draft_inject(self.handle, nat.ptr_f32(rows), rows.shape[0], nat.ptr_i32(pos), seq_id),
                   "draft inject")
 
-    def decode_block(self, tokens: np.ndarray, pos0: int, seq_id: int = 0) -> None:
-        """One block [anchor, mask...] at pos0.. with every row flagged as output."""
+    def decode_block(self, tokens: np.ndarray, pos0: int, seq_id: int = 0, hidden: bool = False) -> None:
+        """One block [anchor, mask...] at pos0.. with every row flagged as output.
+
+        ``hidden``: also extract every row's hidden state (see :meth:`hidden`); embeddings are on
+        for this decode only (an injection batch with them on would compute outputs)."""
         self._alive()
         self._pos0[0] = pos0
         self._seq[0] = seq_id
-        nat.check(nat.draft_decode_blocks(self.handle, nat.ptr_i32(tokens), len(tokens), nat.ptr_i32(self._pos0),
-                                          nat.ptr_i32(self._seq), 1), "draft block decode")
+        self._hidden_rows = 0
+        if hidden:
+            ll.llama_set_embeddings(self.ctx, True)
+        try:
+            nat.check(nat.draft_decode_blocks(self.handle, nat.ptr_i32(tokens), len(tokens),
+                                              nat.ptr_i32(self._pos0), nat.ptr_i32(self._seq), 1), "draft block decode")
+        finally:
+            if hidden:
+                ll.llama_set_embeddings(self.ctx, False)
+        if hidden:
+            self._hidden_rows = len(tokens)
 
     def decode_blocks(self, tokens: np.ndarray, block_len: int, pos0: np.ndarray, seq_ids: np.ndarray) -> None:
         self._alive()
@@ -515,6 +529,18 @@ class Draft(_ModelCtx):
     def confidence(self, i0: int, n: int, out: np.ndarray) -> None:
         self._alive()
         nat.check(nat.draft_confidence(self.handle, i0, n, nat.ptr_f32(out)), "draft confidence")
+
+    def hidden(self, i: int) -> np.ndarray:
+        """Hidden state h of row i of the last block decode, which must have been made with
+        ``hidden=True`` (the graph's ``t_embd``: output_norm, the input of the lm_head and of the
+        confidence head).  A view (float32 [n_embd]) valid until the next decode or injection."""
+        self._alive()
+        if not (0 <= i < getattr(self, "_hidden_rows", 0)):
+            raise NativeError(f"no hidden state for row {i}: decode the block with hidden=True first")
+        ptr = ll.llama_get_embeddings_ith(self.ctx, i)
+        if not ptr:
+            raise NativeError(f"row {i} of the last draft decode has no hidden state")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,))
 
 
 class MarkovHead(Owned):
@@ -560,3 +586,13 @@ class MarkovHead(Owned):
         out = np.empty((ids.size, self.rank), dtype=np.float32)
         nat.check(nat.markov_w1_rows(self.handle, nat.ptr_i32(ids), ids.size, nat.ptr_f32(out)), "Markov W1 rows")
         return out
+
+    def bias_w1(self, prev) -> tuple:
+        """(bias rows [n, n_vocab_draft], W1 rows [n, rank]) for prev, in one device call."""
+        self._alive()
+        ids = self._ids(prev)
+        bias = np.empty((ids.size, self.n_vocab_draft), dtype=np.float32)
+        w1 = np.empty((ids.size, self.rank), dtype=np.float32)
+        nat.check(nat.markov_bias_w1(self.handle, nat.ptr_i32(ids), ids.size, nat.ptr_f32(bias), nat.ptr_f32(w1)),
+                  "Markov bias + W1 rows")
+        return bias, w1
