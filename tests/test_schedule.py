@@ -1,0 +1,121 @@
+"""Scheduling math against hand-computed cases (pure functions)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyllama_dspark.schedule import (
+    CostModel, apply_sts, calibration_report, ece, fit_sts, joint_labels, retrospective_schedule, roc_auc,
+    schedule, should_draft, static_cut, survival, survival_cut,
+)
+
+
+def test_static_and_survival_cuts():
+    c = [0.9, 0.8, 0.95, 0.4, 0.99]
+    assert static_cut(c, 0.5) == 3
+    assert static_cut(c, 0.85) == 1
+    assert static_cut(c, 0.0) == 5
+    np.testing.assert_allclose(survival(c), [0.9, 0.72, 0.684, 0.2736, 0.270864])
+    assert survival_cut(c, 0.7) == 2      # a = .9, .72 | .684 < .7
+    assert survival_cut(c, 0.95) == 0
+    assert survival_cut([], 0.5) == 0
+
+
+def test_cost_model_extrapolates_and_validates():
+    cm = CostModel([10, 12, 14], draft_ms=[5])
+    assert cm.t_verify(3) == 14 and cm.t_verify(5) == 18
+    assert cm.sps(1) == pytest.approx(100.0)
+    assert cm.t_draft(3) == 15
+    with pytest.raises(ValueError):
+        CostModel([])
+    with pytest.raises(ValueError):
+        cm.t_verify(0)
+
+
+def test_paper_counterexample_early_stop_vs_retrospective():
+    # Appendix A: SPS(1)=1, SPS(2)=0.5, SPS(3)=0.45, a1 = 0.8; c2 depends on the drafted x1
+    cost = CostModel([1000.0, 2000.0, 1000.0 / 0.45])
+    for c2 in (0.9, 0.0):
+        surv = [[0.8, 0.8 * c2]]
+        # early stop: Theta1 = 1.8*0.5 = 0.9 <= Theta0 = 1.0 -> verify nothing, whatever x1 was
+        s = schedule(surv, cost, drafted=False)
+        assert s.lengths == [0] and s.throughput == pytest.approx(1.0)
+    # without the early stop the admission of x1 depends on x1 itself (through c2): it leaks
+    hi = retrospective_schedule([[0.8, 0.72]], cost, drafted=False)
+    lo = retrospective_schedule([[0.8, 0.0]], cost, drafted=False)
+    assert hi.lengths == [2] and hi.throughput == pytest.approx((1 + 0.8 + 0.72) * 0.45)
+    assert lo.lengths == [0]
+
+
+def test_schedule_single_request_unimodal_curve():
+    # flat-ish verify cost (memory-bound GPU): verifying more almost never costs more
+    cost = CostModel([10, 10.5, 11, 11.5, 12, 12.5, 13, 13.5])
+    s = schedule([[0.9, 0.8, 0.6, 0.3, 0.1]], cost, drafted=False)
+    # Theta_l = tau_l / t(1+l) per ms: 1/10, 1.9/10.5, 2.7/11, 3.3/11.5, 3.6/12 = .3, 3.7/12.5 = .296
+    assert s.lengths == [4]
+    assert s.batch == 5 and s.expected_tokens == pytest.approx(1 + 0.9 + 0.8 + 0.6 + 0.3)
+    assert s.throughput == pytest.approx(3.6 / 12 * 1e3)
+
+
+def test_schedule_compute_bound_cpu_never_drafts_weak_tokens():
+    # CPU-like linear cost: B tokens cost B x one step
+    cost = CostModel([10.0 * b for b in range(1, 17)])
+    s = schedule([[0.9, 0.81, 0.73]], cost, drafted=False)
+    assert s.lengths == [0]  # (1+0.9)/20ms < 1/10ms
+    assert not should_draft([[0.99] * 7], CostModel([10.0 * b for b in range(1, 17)], draft_ms=[1]))
+
+
+def test_schedule_draft_cost_is_in_the_objective():
+    cost = CostModel([10, 10.2, 10.4, 10.6], draft_ms=[0.0])
+    assert schedule([[0.5]], cost).lengths == [1]
+    # the same survival no longer pays when the draft pass itself costs 30 ms... except it is sunk
+    # within the cycle; what matters is whether drafting pays at all
+    assert should_draft([[0.5]], cost)
+    assert not should_draft([[0.5]], CostModel([10, 10.2, 10.4, 10.6], draft_ms=[30.0]))
+
+
+def test_schedule_multi_request_global_order_and_ties():
+    cost = CostModel([10, 10, 10, 10, 10, 20, 30, 40, 50, 60])  # free up to B=5, then linear
+    surv = [[0.9, 0.5], [0.8, 0.7, 0.2]]
+    s = schedule(surv, cost, drafted=False)
+    # admission order: (0,1)=.9, (1,1)=.8, (1,2)=.7 -> B=5 (free), then (0,2)=.5 -> B=6 costs 2x: stop
+    assert s.lengths == [1, 2] and s.batch == 5
+    assert [(r, j) for r, j, _ in s.path] == [(0, 1), (1, 1), (1, 2)]
+    # exact ties: lower request index first, prefixes stay contiguous
+    t = schedule([[0.6, 0.6], [0.6]], CostModel([10] * 10), drafted=False)
+    assert t.lengths == [2, 1]
+
+
+def test_schedule_jagged_curve_stops_at_first_dip():
+    # jagged SPS: B=3 is slow (e.g. a bad kernel), B=4 fast again; early stop must not look past B=3
+    cost = CostModel([10, 10, 30, 10.5])
+    s = schedule([[0.95, 0.9, 0.85]], cost, drafted=False)
+    assert s.lengths == [1]
+    r = retrospective_schedule([[0.95, 0.9, 0.85]], cost, drafted=False)
+    assert r.lengths == [3]   # the retrospective search would jump the dip
+
+
+def test_ece_and_auc_hand_cases():
+    assert ece([0.8] * 10, [1] * 8 + [0] * 2) == pytest.approx(0.0)
+    assert ece([0.9] * 4, [1, 0, 0, 0]) == pytest.approx(0.65)
+    assert roc_auc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    assert roc_auc([0.5, 0.5], [0, 1]) == pytest.approx(0.5)
+    assert np.isnan(roc_auc([0.2, 0.3], [1, 1]))
+
+
+def test_sts_recovers_overconfidence():
+    rng = np.random.default_rng(0)
+    N, gamma = 20000, 4
+    true_c = rng.uniform(0.3, 0.95, size=(N, gamma))
+    # an overconfident head: logit doubled
+    raw = apply_sts(true_c, [0.5] * gamma)
+    acc = rng.random((N, gamma)) < true_c
+    n_acc = np.where(acc.all(1), gamma, np.argmin(acc, axis=1))
+    temps = fit_sts(raw, n_acc)
+    np.testing.assert_allclose(temps, 2.0, rtol=0.2)  # ECE of a product: a noisy objective
+    rep = calibration_report(raw, n_acc, temps)
+    assert all(r["ece_sts"] < r["ece_raw"] for r in rep)
+    assert all(r["ece_sts"] < 0.02 for r in rep)
+    assert all(0.6 < r["auc"] < 0.9 for r in rep)
+    np.testing.assert_array_equal(joint_labels(np.array([0, 2]), 3), [[0, 0, 0], [1, 1, 0]])
