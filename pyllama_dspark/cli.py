@@ -161,6 +161,9 @@ def make_test_draft_cmd(target, output, kind, n_layers, block_size, markov_rank,
 from .cmd_serve import serve as _serve  # noqa: E402
 
 main.add_command(_serve)
+from .cmd_bench import bench as _bench  # noqa: E402
+
+main.add_command(_bench)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -81,10 +81,13 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 def serve(model, draft, spec_type, n_max, host, port, n_slots, n_ctx, n_batch, n_ubatch, threads, flash_attn,
           n_gpu_layers, api_key, alias, temperature, top_k, top_p, min_p, seed, verbose):
     """OpenAI-compatible server (llama-server's endpoints, timings and draft-acceptance log)."""
-    import uvicorn
+    try:
+        import uvicorn
 
+        from .server import LLAMA_SERVER_SAMPLING, ServerConfig, create_app
+    except ImportError as e:
+        raise click.ClickException(f"serve needs the server extra ({e}): pip install 'pyllama-dspark[server]'")
     from .cli import default_target
-    from .server import LLAMA_SERVER_SAMPLING, ServerConfig, create_app
 
     for name, v in (("-np", n_slots), ("-c", n_ctx), ("--spec-draft-n-max", n_max), ("-b", n_batch)):
         if v <= 0:
