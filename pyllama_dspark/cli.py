@@ -164,6 +164,9 @@ main.add_command(_serve)
 from .cmd_bench import bench as _bench  # noqa: E402
 
 main.add_command(_bench)
+from .cmd_crosscheck import crosscheck as _crosscheck  # noqa: E402
+
+main.add_command(_crosscheck)
 
 
 if __name__ == "__main__":  # pragma: no cover
