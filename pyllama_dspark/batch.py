@@ -1,0 +1,260 @@
+"""Batched greedy DSpark decoding of R sequences: one draft decode and one target decode per step.
+
+Each step:
+  1. the policy decides whether a draft pass can pay (profiled schedule; else always);
+  2. one draft decode holds every active sequence's block [anchor, mask...] (equal-size blocks, as
+     llama.cpp's DSpark graph requires per ubatch), noise blocks purged afterwards;
+  3. the policy picks each sequence's verify length l_r (Algorithm 1 across all R for `profiled`);
+  4. one target decode holds every sequence's [anchor, drafts[:l_r]] (l_r = 0: plain decoding);
+  5. per sequence: greedy accept, inject all its verify rows into the draft, roll back the rejected
+     tail of both memories, emit; finished sequences free their slot and queued prompts join.
+
+Greedy output of every sequence equals its own plain greedy output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+
+from .drafter import DraftModelProposer, NoDraft, Proposer
+from .engine import Done, Stats, _TextStream
+from .errors import ContextOverflowError
+from .handles import Draft, Target
+from .policy import VerifyPolicy
+from .verify import greedy_accept
+
+
+@dataclass
+class _Seq:
+    rid: int
+    seq_id: int
+    prompt: np.ndarray
+    max_tokens: int
+    text: _TextStream
+    out: List[int] = field(default_factory=list)
+    anchor: int = 0
+    pos0: int = 0
+    finish: Optional[str] = None
+    stats: Stats = field(default_factory=Stats)
+    t_start: float = 0.0
+
+
+class BatchDecoder:
+    """Greedy speculative decoding of up to ``target.settings.n_seq_max`` sequences at once."""
+
+    def __init__(self, target: Target, proposer: Union[Draft, Proposer, None] = None, *, n_max: int = 7,
+                 policy: Optional[VerifyPolicy] = None):
+        """``proposer``: a Draft (its blocks are decoded together in one draft decode), any other
+        Proposer (asked per sequence, e.g. the oracle), or None (plain batched decoding)."""
+        self.target = target
+        self.n_slots = int(target.settings.n_seq_max)
+        if isinstance(proposer, Draft):
+            if int(proposer.settings.n_seq_max) < self.n_slots:
+                raise ValueError("the draft context needs as many sequences as the target's")
+            proposer = DraftModelProposer(proposer)
+        self.prop: Optional[Proposer] = proposer if not isinstance(proposer, NoDraft) else None
+        self.n_max = 0
+        if self.prop is not None:
+            if n_max <= 0:
+                raise ValueError(f"n_max must be >= 1, got {n_max}")
+            self.n_max = min(int(n_max), self.prop.max_draft())
+        self.policy = policy or VerifyPolicy()
+        if (self.policy.needs_confidence and isinstance(self.prop, DraftModelProposer)
+                and not self.prop.meta.has_confidence):
+            raise ValueError(f"the {self.policy.mode} schedule needs a draft with a confidence head")
+        self.n_ctx_seq = target.n_ctx // self.n_slots
+        self.eog = target.eog_mask
+        self._free = list(range(self.n_slots))[::-1]
+        self._active: List[_Seq] = []
+        self._queue: Deque[_Seq] = deque()
+        self._done: Dict[int, Done] = {}
+        self._next_rid = 0
+        cap = target.n_batch
+        self._ids = np.zeros(cap, dtype=np.int32)
+        self._margin = np.zeros(cap, dtype=np.float32)
+        self.steps = 0
+        self.verify_batches: List[int] = []
+
+    # ---- requests -------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], max_tokens: int = 256, stop: Sequence[str] = ()) -> int:
+        toks = np.asarray(list(prompt), dtype=np.int32)
+        if toks.size == 0:
+            raise ValueError("the prompt is empty")
+        if toks.min() < 0 or toks.max() >= self.target.n_vocab:
+            raise ValueError(f"prompt token ids must be in 0..{self.target.n_vocab - 1}")
+        if toks.size + 1 > self.n_ctx_seq:
+            raise ContextOverflowError(
+                f"prompt of {toks.size} tokens does not fit the per-sequence context of {self.n_ctx_seq}")
+        if max_tokens <= 0:
+            raise ValueError("max_tokens must be >= 1")
+        rid = self._next_rid
+        self._next_rid += 1
+        self._queue.append(_Seq(rid, -1, toks, int(max_tokens), _TextStream(self.target, stop)))
+        return rid
+
+    def _admit(self) -> None:
+        while self._queue and self._free:
+            s = self._queue.popleft()
+            s.seq_id = self._free.pop()
+            self._prefill(s)
+            if s.finish is None:
+                self._active.append(s)
+            else:
+                self._finish(s)
+
+    def _prefill(self, s: _Seq) -> None:
+        tgt, seq = self.target, s.seq_id
+        s.t_start = time.perf_counter()
+        tgt.seq_rm(seq, 0, -1)
+        if self.prop is not None:
+            self.prop.reset(seq)
+        nb = tgt.n_batch
+        for c0 in range(0, s.prompt.size, nb):
+            chunk = s.prompt[c0:c0 + nb]
+            tgt.decode(chunk, c0, seq, all_outputs=False)
+            if self.prop is not None:
+                self.prop.observe(0, len(chunk), c0, seq)
+        tgt.argmax(len(chunk) - 1, 1, self._ids, self._margin)
+        s.stats.n_prompt = int(s.prompt.size)
+        s.stats.ms_prefill = (time.perf_counter() - s.t_start) * 1e3
+        s.anchor = int(self._ids[0])
+        s.pos0 = int(s.prompt.size)
+        self._emit(s, [s.anchor])
+
+    def _emit(self, s: _Seq, toks: List[int]) -> None:
+        for t in toks:
+            s.out.append(int(t))
+            if self.eog[t]:
+                s.finish = "stop"
+                return
+            s.text.push(int(t))
+            if s.text.stopped:
+                s.finish = "stop"
+                return
+            if len(s.out) >= s.max_tokens:
+                s.finish = "length"
+                return
+        if s.pos0 + 1 >= self.n_ctx_seq:
+            s.finish = "length"
+
+    def _finish(self, s: _Seq) -> None:
+        s.text.flush(final=True)
+        s.stats.n_generated = len(s.out)
+        s.stats.ms_total = (time.perf_counter() - s.t_start) * 1e3 - s.stats.ms_prefill
+        self._done[s.rid] = Done(s.out, s.text.text, s.finish, s.stats)
+        self.target.seq_rm(s.seq_id, 0, -1)
+        if self.prop is not None:
+            self.prop.reset(s.seq_id)
+        self._free.append(s.seq_id)
+
+    # ---- one step for every active sequence -------------------------------------------------------
+    def step(self) -> None:
+        self._admit()
+        act = self._active
+        if not act:
+            return
+        R = len(act)
+        tgt = self.target
+        t0 = time.perf_counter()
+        # 1-2. draft all blocks in one decode
+        drafts: List[np.ndarray] = [np.zeros(0, dtype=np.int32)] * R
+        confs: List[Optional[np.ndarray]] = [None] * R
+        limits = [min(self.n_ctx_seq - s.pos0 - 2, s.max_tokens - len(s.out) - 1) for s in act]
+        if self.prop is not None and any(l > 0 for l in limits) and self.policy.want_draft(R):
+            drafts, confs = self._draft_all(act)
+            drafts = [d[:max(0, l)] for d, l in zip(drafts, limits)]
+        t1 = time.perf_counter()
+        # 3. verify lengths
+        lengths = self.policy.lengths(confs, [len(d) for d in drafts]) if self.prop is not None else [0] * R
+        # 4. one target decode with every sequence's verify rows
+        rows_tok, rows_pos, rows_seq, offs = [], [], [], []
+        for s, d, l in zip(act, drafts, lengths):
+            offs.append(len(rows_tok))
+            v = [s.anchor] + d[:l].tolist()
+            rows_tok += v
+            rows_pos += list(range(s.pos0, s.pos0 + len(v)))
+            rows_seq += [s.seq_id] * len(v)
+        n = len(rows_tok)
+        tgt.decode_rows(np.asarray(rows_tok, dtype=np.int32), np.asarray(rows_pos, dtype=np.int32),
+                        np.asarray(rows_seq, dtype=np.int32), np.ones(n, dtype=np.int8))
+        tgt.argmax(0, n, self._ids, self._margin)
+        t2 = time.perf_counter()
+        self.verify_batches.append(n)
+        # 5. accept, inject, roll back, emit
+        for s, d, l, off in zip(act, drafts, lengths, offs):
+            k = l
+            ids = self._ids[off:off + k + 1]
+            n_acc = greedy_accept(d[:k], ids, self.eog)
+            s.stats.record(k, n_acc)
+            self.policy.update(k, n_acc)
+            if self.prop is not None:
+                self.prop.observe(off, k + 1, s.pos0, s.seq_id)
+            if n_acc < k:
+                tgt.seq_rm(s.seq_id, s.pos0 + n_acc + 1, -1)
+                if self.prop is not None:
+                    self.prop.rollback(s.pos0 + n_acc + 1, s.seq_id)
+            emitted = ids[:n_acc + 1].tolist()
+            s.pos0 += n_acc + 1
+            s.anchor = emitted[-1]
+            self._emit(s, emitted)
+        t3 = time.perf_counter()
+        for s in act:
+            s.stats.ms_draft += (t1 - t0) * 1e3 / R
+            s.stats.ms_verify += (t2 - t1) * 1e3 / R
+            s.stats.ms_inject += (t3 - t2) * 1e3 / R
+        self.steps += 1
+        still = []
+        for s in act:
+            if s.finish is None:
+                still.append(s)
+            else:
+                self._finish(s)
+        self._active = still
+
+    def _draft_all(self, act: List[_Seq]):
+        p = self.prop
+        if not isinstance(p, DraftModelProposer):
+            props = [p.propose(s.anchor, s.pos0, self.n_max, s.seq_id) for s in act]
+            return [q.tokens for q in props], [q.confidence for q in props]
+        d = p.draft
+        nb = self.n_max + p.offset
+        R = len(act)
+        block = np.full(R * nb, p.meta.mask_token_id, dtype=np.int32)
+        block[::nb] = [s.anchor for s in act]
+        pos0 = np.asarray([s.pos0 for s in act], dtype=np.int32)
+        seqs = np.asarray([s.seq_id for s in act], dtype=np.int32)
+        d.decode_blocks(block, nb, pos0, seqs)
+        ids = np.zeros(R * nb, dtype=np.int32)
+        margin = np.zeros(R * nb, dtype=np.float32)
+        d.argmax(0, R * nb, ids, margin)
+        conf_all = None
+        if p.meta.has_confidence:
+            conf_all = np.zeros(R * nb, dtype=np.float32)
+            d.confidence(0, R * nb, conf_all)
+        drafts, confs = [], []
+        for r, s in enumerate(act):
+            a = r * nb + p.offset
+            drafts.append(ids[a:a + self.n_max].copy())
+            confs.append(conf_all[a:a + self.n_max].copy() if conf_all is not None else None)
+            d.seq_rm(s.seq_id, s.pos0, -1)  # purge the noise block before any injection
+        return drafts, confs
+
+    # ---- driving ----------------------------------------------------------------------------------
+    def pending(self) -> int:
+        return len(self._active) + len(self._queue)
+
+    def result(self, rid: int) -> Optional[Done]:
+        return self._done.get(rid)
+
+    def run(self, prompts: Sequence[Sequence[int]], max_tokens=256, stop: Sequence[str] = ()) -> List[Done]:
+        """Decode all prompts (at most n_slots at a time; queued ones join as slots free up)."""
+        mt = max_tokens if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+        rids = [self.submit(p, m, stop) for p, m in zip(prompts, mt)]
+        while self.pending():
+            self.step()
+        return [self._done.pop(r) for r in rids]

@@ -1,0 +1,106 @@
+"""Batched decoding of R sequences (one draft decode + one target decode per step) and schedules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from greedy_ref import greedy, open_llama
+from pyllama_dspark.batch import BatchDecoder
+from pyllama_dspark.handles import ContextSettings, Draft, Target, read_draft_meta
+from pyllama_dspark.oracle import OracleProposer
+from pyllama_dspark.policy import VerifyPolicy
+from pyllama_dspark.prompts import load_prompts
+from pyllama_dspark.schedule import CostModel
+
+THREADS = 2
+R = 3
+
+
+@pytest.fixture(scope="module")
+def refs(target_path):
+    items = load_prompts(limit_per_file=1)
+    llm = open_llama(target_path)
+    with Target(target_path, ContextSettings(n_threads=THREADS)) as t:
+        from pyllama_dspark.chat import build_chat_prompt
+        prompts = [build_chat_prompt(t, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
+    prompts.append(list(prompts[0][:-3]) + [28, 198])  # a sixth, shorter prompt
+    max_toks = [24, 40, 16, 48, 32, 20]
+    out = [(p, m, greedy(llm, p, m)) for p, m in zip(prompts, max_toks)]
+    llm.close()
+    return out
+
+
+def _open(target_path, draft_path, n_seq):
+    meta = read_draft_meta(draft_path)
+    s = ContextSettings(n_ctx=2048 * n_seq, n_threads=THREADS, n_seq_max=n_seq)
+    t = Target(target_path, s, capture_layers=meta.target_layers)
+    return t, Draft(draft_path, t, s)
+
+
+@pytest.mark.parametrize("mode", ["off", "profiled"])
+def test_batched_sequences_equal_their_own_greedy(target_path, dspark_draft_path, refs, mode):
+    t, d = _open(target_path, dspark_draft_path, R)
+    with t:
+        policy = VerifyPolicy(mode=mode, cost=CostModel([6.0 * b for b in range(1, 33)], draft_ms=[10.0]))
+        bd = BatchDecoder(t, d, n_max=7, policy=policy)
+        done = bd.run([p for p, _, _ in refs], [m for _, m, _ in refs])
+        bad = [i for i, ((_, _, ref), dn) in enumerate(zip(refs, done)) if dn.tokens != ref]
+        assert not bad, [(done[i].tokens, refs[i][2]) for i in bad]
+        # 6 prompts through 3 slots: sequences finished at different steps and queued ones joined
+        assert max(bd.verify_batches) > 1 and bd.steps < sum(m for _, m, _ in refs)
+        if mode == "off":
+            assert sum(dn.stats.drafted for dn in done) > 0
+            assert max(bd.verify_batches) == R * 8  # three full blocks in one verify decode
+        else:
+            # a CPU-like linear cost curve: drafting does not pay, so the draft pass only runs as an
+            # occasional probe (every 16 skipped steps) and verification stays (nearly) plain
+            assert sum(dn.stats.drafted for dn in done) < 0.2 * sum(m for _, m, _ in refs)
+
+
+def _oracle_run(target_path, ref_prompt, ref, policy, p_error=0.7, seed=5):
+    with Target(target_path, ContextSettings(n_threads=THREADS)) as t:
+        orc = OracleProposer(list(ref_prompt) + list(ref), t.n_vocab, p_error=p_error, seed=seed)
+        bd = BatchDecoder(t, orc, n_max=7, policy=policy)
+        (done,) = bd.run([ref_prompt], [len(ref)])
+        return done, orc
+
+
+def test_informative_confidence_static_cut_verifies_only_survivors(target_path, refs):
+    prompt, m, ref = refs[3]
+    done, orc = _oracle_run(target_path, prompt, ref, VerifyPolicy(mode="static", conf_min=0.5))
+    assert done.tokens == ref
+    # the oracle reports c = 0 from its planted error on: everything verified is accepted...
+    assert done.stats.accepted == done.stats.drafted > 0
+    # ...while verifying whole blocks (same oracle seed) does hit the planted errors
+    off, _ = _oracle_run(target_path, prompt, ref, VerifyPolicy(mode="off"))
+    assert off.tokens == ref and off.stats.drafted > off.stats.accepted
+
+
+def test_profiled_schedule_drops_low_survival_and_keeps_high(target_path, refs):
+    prompt, m, ref = refs[3]
+    # a flat (GPU-like) cost curve: any surviving token pays, a dead one (a = 0) never does
+    flat = CostModel([10.0 + 0.05 * b for b in range(32)], draft_ms=[1.0])
+    done, orc = _oracle_run(target_path, prompt, ref, VerifyPolicy(mode="profiled", cost=flat))
+    assert done.tokens == ref
+    assert done.stats.accepted == done.stats.drafted  # only a = 1 prefixes were verified
+    assert done.stats.tau > 2.0
+    off, _ = _oracle_run(target_path, prompt, ref, VerifyPolicy(mode="off"))
+    assert off.tokens == ref and off.stats.drafted > off.stats.accepted  # fixed length wastes rows
+    # on a compute-bound curve (each row costs a full step) nothing short of certain pays
+    steep = CostModel([10.0 * b for b in range(1, 33)], draft_ms=[8.0])
+    done2, _ = _oracle_run(target_path, prompt, ref, VerifyPolicy(mode="profiled", cost=steep))
+    assert done2.tokens == ref
+
+
+def test_policy_refuses_bad_settings(target_path, dflash_draft_path):
+    with pytest.raises(ValueError):
+        VerifyPolicy(mode="nope")
+    with pytest.raises(ValueError):
+        VerifyPolicy(mode="profiled")
+    with pytest.raises(ValueError):
+        VerifyPolicy(mode="static", conf_min=1.5)
+    t, d = _open(target_path, dflash_draft_path, 1)
+    with t:
+        with pytest.raises(ValueError, match="confidence head"):
+            BatchDecoder(t, d, policy=VerifyPolicy(mode="static", conf_min=0.3))
