@@ -11,6 +11,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <exception>
 #include <string>
 #include <vector>
@@ -274,6 +275,19 @@ extern "C" int32_t dspark_argmax_rows(llama_context * ctx, int32_t i0, int32_t n
         ids[r] = best;
         if (margin) margin[r] = b1 - b2;
     }
+    ok();
+    return DSPARK_OK;
+}
+
+extern "C" int32_t dspark_top_k_f32(const float * x, int32_t n, int32_t k, int32_t * ids) {
+    if (!x || !ids || n <= 0 || k <= 0 || k > n) return fail(DSPARK_E_INVALID, "bad argument (n %d, k %d)", n, k);
+    thread_local std::vector<int32_t> idx;
+    idx.resize((size_t) n);
+    for (int32_t i = 0; i < n; ++i) idx[i] = i;
+    // larger value first; NaN never wins
+    auto greater = [x](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+    if (k < n) std::nth_element(idx.begin(), idx.begin() + (k - 1), idx.end(), greater);
+    std::memcpy(ids, idx.data(), (size_t) k * sizeof(int32_t));
     ok();
     return DSPARK_OK;
 }

@@ -62,6 +62,9 @@ DSPARK_API int32_t dspark_target_copy_features(const dspark_target * t, int32_t 
 // Output read-out helpers (any context): argmax of logits rows i0..i0+n-1 of the last decode, and
 // the gap between the best and second-best logit of each row (near-tie detection).
 DSPARK_API int32_t dspark_argmax_rows(struct llama_context * ctx, int32_t i0, int32_t n, int32_t * ids, float * margin);
+// ids[0..k-1] = indices of the k largest of x[0..n-1] (in no particular order; ties go to the
+// lower index).  The sampler chain's top-k selection.
+DSPARK_API int32_t dspark_top_k_f32(const float * x, int32_t n, int32_t k, int32_t * ids);
 
 // ---------------------------------------------------------------------------------------------
 // Draft: DFlash / DSpark draft context (created by the caller with ctx_other = target context).

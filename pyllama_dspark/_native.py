@@ -98,6 +98,8 @@ target_copy_features = _proto("dspark_target_copy_features", c_int32, c_void_p, 
 
 # int32_t dspark_argmax_rows(llama_context * ctx, int32_t i0, int32_t n, int32_t * ids, float * margin);
 argmax_rows = _proto("dspark_argmax_rows", c_int32, c_void_p, c_int32, c_int32, _p_i32, _p_f32)
+# int32_t dspark_top_k_f32(const float * x, int32_t n, int32_t k, int32_t * ids);
+top_k_f32 = _proto("dspark_top_k_f32", c_int32, _p_f32, c_int32, c_int32, _p_i32)
 
 # int32_t dspark_read_draft_meta(const char * path, dspark_draft_meta * out);
 read_draft_meta = _proto("dspark_read_draft_meta", c_int32, c_char_p, _p_meta)

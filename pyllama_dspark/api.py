@@ -91,15 +91,16 @@ class Speculator(Owned):
     # ---- generation ----------------------------------------------------------------------------
     def stream(self, prompt: Prompt, max_tokens: int = 256, *, chat: bool = False, stop: Sequence[str] = (),
                n_max: Optional[int] = None, ignore_eos: bool = False,
-               sampling: Optional[SamplingParams] = None) -> Iterator[Union[Chunk, Done]]:
+               sampling: Optional[SamplingParams] = None, reuse_prefix: bool = False) -> Iterator[Union[Chunk, Done]]:
         """Yield Chunk events (tokens + text) and finally a Done with text, tokens and stats.
 
         ``sampling``: None or temperature 0 = greedy; else lossless speculative sampling with
-        llama.cpp's sampler chain (:class:`~.sampling.SamplingParams`)."""
+        llama.cpp's sampler chain (:class:`~.sampling.SamplingParams`).  ``reuse_prefix``: decode
+        only the part of the prompt the memories do not already hold (see SpecDecoder.stream)."""
         self._alive()
         tokens, stop = self._prompt(prompt, chat, stop)
         return self.decoder.stream(tokens, max_tokens, n_max=self.n_max if n_max is None else n_max, stop=stop,
-                                   ignore_eos=ignore_eos, sampling=sampling)
+                                   ignore_eos=ignore_eos, sampling=sampling, reuse_prefix=reuse_prefix)
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, **kw) -> Done:
         done = None

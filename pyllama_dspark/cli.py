@@ -62,7 +62,18 @@ def main():
 @click.option("-p", "--prompt", default=None, help="Prompt text (default: read stdin).")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=256, show_default=True, help="Max new tokens.")
 @click.option("--n-max", type=int, default=7, show_default=True, help="Draft tokens per block (clamped to the block size).")
-@click.option("--temp", type=float, default=0.0, show_default=True, help="Temperature (only 0 = greedy for now).")
+@click.option("--temp", type=float, default=0.8, show_default=True,
+              help="Temperature; 0 = greedy (exactly the target's greedy output).")
+@click.option("--top-k", "top_k", type=int, default=40, show_default=True, help="Top-k sampling (<= 0: off).")
+@click.option("--top-p", "top_p", type=float, default=0.95, show_default=True, help="Top-p sampling (1.0: off).")
+@click.option("--min-p", "min_p", type=float, default=0.05, show_default=True, help="Min-p sampling (0.0: off).")
+@click.option("-s", "--seed", type=int, default=-1, show_default=True, help="RNG seed (-1: random).")
+@click.option("--repeat-penalty", "repeat_penalty", type=float, default=1.0, show_default=True,
+              help="Repetition penalty over the last --repeat-last-n tokens (1.0: off).")
+@click.option("--repeat-last-n", "repeat_last_n", type=int, default=64, show_default=True,
+              help="Tokens the penalties look back on (0: off, -1: whole sequence).")
+@click.option("--presence-penalty", "presence_penalty", type=float, default=0.0, show_default=True)
+@click.option("--frequency-penalty", "frequency_penalty", type=float, default=0.0, show_default=True)
 @click.option("--no-draft", is_flag=True, help="Run the target alone.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, tokens and stats.")
@@ -73,11 +84,22 @@ def main():
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at end-of-generation tokens.")
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
-def run(model, draft, prompt, n_predict, n_max, temp, no_draft, raw, as_json, n_ctx, n_batch, threads,
+def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n,
+        presence_penalty, frequency_penalty, no_draft, raw, as_json, n_ctx, n_batch, threads,
         flash_attn, n_gpu_layers, ignore_eos, verbose):
-    """Generate text with DSpark speculative decoding (lossless: greedy output = the target's)."""
-    if temp != 0:
-        raise click.UsageError("only greedy decoding (--temp 0) is supported for now; sampling is not implemented yet")
+    """Generate text with DSpark speculative decoding.
+
+    Lossless: at --temp 0 the output is the target's greedy output; at --temp > 0 it is
+    distributed exactly as sampling from the target with llama.cpp's sampler chain (penalties,
+    top-k, top-p, min-p, temperature), the defaults being llama.cpp's."""
+    from .sampling import SamplingParams
+
+    try:
+        sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                  repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                                  frequency_penalty=frequency_penalty, penalty_last_n=repeat_last_n)
+    except (TypeError, ValueError) as e:
+        raise click.UsageError(f"bad sampling parameter: {e}")
     if n_max <= 0:
         raise click.BadParameter("must be >= 1", param_hint="--n-max")
     if n_predict <= 0:
@@ -100,7 +122,7 @@ def run(model, draft, prompt, n_predict, n_max, temp, no_draft, raw, as_json, n_
                 for w in sp.warnings:
                     click.echo(f"warning: {w}", err=True)
                 done = None
-                for ev in sp.stream(prompt, n_predict, chat=not raw, ignore_eos=ignore_eos):
+                for ev in sp.stream(prompt, n_predict, chat=not raw, ignore_eos=ignore_eos, sampling=sampling):
                     if isinstance(ev, Chunk):
                         if not as_json and ev.text:
                             click.echo(ev.text, nl=False)

@@ -43,6 +43,8 @@ class Stats:
     ms_draft: float = 0.0
     ms_verify: float = 0.0
     ms_inject: float = 0.0
+    ms_sample: float = 0.0               # T > 0: target sampler chain + accept/resample (draft's is in ms_draft)
+    seed: Optional[int] = None           # T > 0: the seed the generation used (resolved if it was random)
     ms_total: float = 0.0                # generation phase (after prefill)
 
     def record(self, n_drafted: int, n_acc: int) -> None:
@@ -70,13 +72,19 @@ class Stats:
 
     @property
     def ms_overhead(self) -> float:
-        return max(0.0, self.ms_total - self.ms_draft - self.ms_verify - self.ms_inject)
+        return max(0.0, self.ms_total - self.ms_draft - self.ms_verify - self.ms_inject - self.ms_sample)
 
     @property
     def tokens_per_second(self) -> float:
         return self.n_generated / (self.ms_total / 1e3) if self.ms_total > 0 else 0.0
 
     def as_dict(self) -> dict:
+        d = self._as_dict()
+        if self.seed is not None:
+            d["seed"] = self.seed
+        return d
+
+    def _as_dict(self) -> dict:
         return {
             "n_prompt": self.n_prompt,
             "n_generated": self.n_generated,
@@ -92,6 +100,7 @@ class Stats:
                 "draft": round(self.ms_draft, 3),
                 "verify": round(self.ms_verify, 3),
                 "inject": round(self.ms_inject, 3),
+                "sample": round(self.ms_sample, 3),
                 "overhead": round(self.ms_overhead, 3),
                 "total": round(self.ms_total, 3),
             },
@@ -104,7 +113,9 @@ class Stats:
                 f"({self.tokens_per_second:.2f} tok/s); cycles {self.cycles}, drafted {self.drafted}, "
                 f"accepted {self.accepted}, tau {self.tau:.3f}; per-position acceptance [{per}]; "
                 f"ms/cycle draft {self.ms_draft / c:.2f} verify {self.ms_verify / c:.2f} "
-                f"inject {self.ms_inject / c:.2f} overhead {self.ms_overhead / c:.3f}")
+                f"inject {self.ms_inject / c:.2f} "
+                + (f"sample {self.ms_sample / c:.2f} " if self.ms_sample else "")
+                + f"overhead {self.ms_overhead / c:.3f}")
 
 
 @dataclass
@@ -165,6 +176,8 @@ class SpecDecoder:
         self._verify = np.zeros(cap, dtype=np.int32)
         self._ids = np.zeros(cap, dtype=np.int32)
         self._margin = np.zeros(cap, dtype=np.float32)
+        self._mem_state = None    # (proposer, prompt, emitted, pos0) the memories hold, if known
+        self._prompt_row = None   # (prompt, logits row after it), kept when reuse_prefix is on
 
     def check_prompt(self, prompt: Sequence[int]) -> np.ndarray:
         toks = np.asarray(list(prompt), dtype=np.int32)
@@ -179,41 +192,93 @@ class SpecDecoder:
 
     def stream(self, prompt: Sequence[int], max_tokens: int = 256, *, n_max: int = 7,
                stop: Sequence[str] = (), ignore_eos: bool = False,
-               sampling: Optional[SamplingParams] = None) -> Iterator[Union[Chunk, Done]]:
+               sampling: Optional[SamplingParams] = None,
+               reuse_prefix: bool = False) -> Iterator[Union[Chunk, Done]]:
         """Yield a Chunk per cycle, then one Done with the whole result and its Stats.
 
         ``sampling`` None (or temperature <= 0) is greedy decoding; otherwise speculative sampling
-        with llama.cpp's sampler chain and these parameters."""
+        with llama.cpp's sampler chain and these parameters.
+
+        ``reuse_prefix``: keep what the memories already hold of this prompt (from the previous
+        stream on this decoder, finished or abandoned at a Chunk) and decode only the rest; the
+        same prompt again costs no target decode at all.  Off by default: a partial re-decode
+        changes batch shapes, hence the last bits of the logits, versus a fresh prefill."""
         toks = self.check_prompt(prompt)
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         smp = None if sampling is None or sampling.is_greedy else TokenSampler(sampling, toks.tolist())
-        return self._stream(toks, max_tokens, n_max, stop, ignore_eos, smp)
+        return self._stream(toks, max_tokens, n_max, stop, ignore_eos, smp, reuse_prefix)
 
-    def _stream(self, toks: np.ndarray, max_tokens: int, n_max: int, stop: Sequence[str], ignore_eos: bool,
-                smp: Optional[TokenSampler]) -> Iterator[Union[Chunk, Done]]:
-        n_max = clamp_n_max(n_max, self.proposer) if not isinstance(self.proposer, NoDraft) else 0
+    def _memory_tokens(self) -> Optional[np.ndarray]:
+        """Tokens at positions 0.. of the memories after the previous stream (None if unknown)."""
+        st = self._mem_state
+        if st is None or st[0] is not self.proposer:
+            return None
+        _, toks, out, pos0 = st
+        return np.concatenate([toks, np.asarray(out[:pos0 - toks.size], dtype=np.int32)])
+
+    def _prefill(self, toks: np.ndarray, reuse: bool) -> np.ndarray:
+        """Brings the memories to exactly toks; returns the logits row after the last prompt token
+        (a view, or the copy kept from an earlier stream of the same prompt)."""
         tgt, prop, seq = self.target, self.proposer, self.seq_id
-        stats = Stats(n_prompt=int(toks.size))
-        clock = time.perf_counter
-
-        tgt.seq_rm(seq, 0, -1)
-        prop.reset(seq)
-
-        # ---- prefill ----
-        t0 = clock()
+        mem = self._memory_tokens() if reuse else None
+        self._mem_state = None
+        start = 0
+        if mem is not None:
+            m = min(mem.size, toks.size)
+            diff = np.flatnonzero(mem[:m] != toks[:m])
+            start = int(diff[0]) if diff.size else m
+            kept = self._prompt_row
+            if start == toks.size and kept is not None and np.array_equal(kept[0], toks):
+                tgt.seq_rm(seq, start, -1)
+                prop.rollback(start, seq)
+                return kept[1]
+            start = min(start, toks.size - 1)
+            tgt.seq_rm(seq, start, -1)
+            prop.rollback(start, seq)
+        else:
+            tgt.seq_rm(seq, 0, -1)
+            prop.reset(seq)
+        self._prompt_row = None
         nb = tgt.n_batch
-        for c0 in range(0, toks.size, nb):
+        for c0 in range(start, toks.size, nb):
             chunk = toks[c0:c0 + nb]
             tgt.decode(chunk, c0, seq, all_outputs=False)
             prop.observe(0, len(chunk), c0, seq)
-        if smp is None:
-            tgt.argmax(len(chunk) - 1, 1, self._ids, self._margin)
-            anchor = int(self._ids[0])
+        row = tgt.logits_view(len(chunk) - 1)
+        if reuse:
+            self._prompt_row = (toks.copy(), row.copy())
+        return row
+
+    def _stream(self, toks: np.ndarray, max_tokens: int, n_max: int, stop: Sequence[str], ignore_eos: bool,
+                smp: Optional[TokenSampler], reuse: bool = False) -> Iterator[Union[Chunk, Done]]:
+        n_max = clamp_n_max(n_max, self.proposer) if not isinstance(self.proposer, NoDraft) else 0
+        tgt, prop, seq = self.target, self.proposer, self.seq_id
+        stats = Stats(n_prompt=int(toks.size), seed=None if smp is None else smp.seed)
+        clock = time.perf_counter
+
+        # ---- prefill ----
+        t0 = clock()
+        if not reuse:
+            self._mem_state = None
+            tgt.seq_rm(seq, 0, -1)
+            prop.reset(seq)
+            nb = tgt.n_batch
+            for c0 in range(0, toks.size, nb):
+                chunk = toks[c0:c0 + nb]
+                tgt.decode(chunk, c0, seq, all_outputs=False)
+                prop.observe(0, len(chunk), c0, seq)
+            if smp is None:
+                tgt.argmax(len(chunk) - 1, 1, self._ids, self._margin)
+                anchor = int(self._ids[0])
+            else:
+                anchor = smp.sample(smp.probs(tgt.logits_view(len(chunk) - 1)))
         else:
-            anchor = smp.sample(smp.probs(tgt.logits_view(len(chunk) - 1)))
+            row = self._prefill(toks, True)
+            anchor = int(np.argmax(row)) if smp is None else smp.sample(smp.probs(row))
+        if smp is not None:
             smp.accept((anchor,))
         stats.ms_prefill = (clock() - t0) * 1e3
 
@@ -271,6 +336,9 @@ class SpecDecoder:
                 p_rows = _TargetRows(tgt, smp, drafts)
                 n_acc, emitted = speculative_accept(drafts, q_rows, p_rows, smp.rng.random, eog)
                 smp.accept(emitted)
+                t_acc = clock()
+                stats.ms_sample += (t_acc - t3) * 1e3
+                t3 = t_acc
             stats.record(k, n_acc)
             # like llama.cpp: the draft gets the features of every verify row, then both memories
             # drop the rejected positions
@@ -290,8 +358,11 @@ class SpecDecoder:
             anchor = emitted[-1]
             pos0 += n_acc + 1
             if finish is None:
+                self._mem_state = (prop, toks, out_tokens, pos0)
                 yield Chunk(pending, text.flush())
+                self._mem_state = None
                 pending = []
+        self._mem_state = (prop, toks, out_tokens, pos0)
         stats.ms_total = (clock() - t_gen) * 1e3
         stats.n_generated = len(out_tokens)
         tail = text.flush(final=True)

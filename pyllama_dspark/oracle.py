@@ -64,3 +64,67 @@ class OracleProposer(Proposer):
         if e is not None:
             conf[e:] = 0.0
         return Proposal(toks, conf)
+
+
+class TableOracleProposer(Proposer):
+    """A T > 0 proposer with a non-trivial q built from the target's own logits (tests, benches).
+
+    ``table`` maps ``(pos0, anchor, x_1, ..., x_j)`` to the target's logits row after those tokens
+    (the context before pos0 being the caller's fixed prompt).  Draft k is drawn from
+
+        q_k = (1 - junk) * chain(row / skew) + junk * uniform(junk_ids)
+
+    with ``chain`` the generation's sampler chain: close to the target (high, partial acceptance)
+    but not equal to it, with some mass on ``junk_ids`` (tokens the target may never emit).
+    Proposing stops where the table has no row for the prefix drawn so far.  At T = 0 it proposes
+    the rows' argmax chain.
+    """
+
+    name = "table-oracle"
+
+    def __init__(self, table, *, block_size: int = 7, skew: float = 1.5, junk: float = 0.1,
+                 junk_ids: Sequence[int] = (0, 1, 2)):
+        if skew <= 0:
+            raise ValueError(f"skew must be > 0, got {skew}")
+        if not 0.0 <= junk < 1.0:
+            raise ValueError(f"junk must be in [0, 1), got {junk}")
+        self.table = table
+        self.block_size = int(block_size)
+        self.skew = float(skew)
+        self.junk = float(junk)
+        self.junk_ids = np.unique(np.asarray(list(junk_ids), dtype=np.int64))
+
+    def max_draft(self) -> int:
+        return self.block_size
+
+    def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
+        key = (pos0, int(anchor))
+        toks = []
+        while len(toks) < min(n_draft, self.block_size) and key in self.table:
+            toks.append(int(np.argmax(self.table[key])))
+            key = key + (toks[-1],)
+        return Proposal(np.asarray(toks, dtype=np.int32)) if toks else EMPTY
+
+    def _q(self, row: np.ndarray, sampler, drafted):
+        from .sampling import Dist
+
+        base = sampler.probs(np.asarray(row, dtype=np.float32) / np.float32(self.skew), drafted)
+        if self.junk == 0.0 or self.junk_ids.size == 0:
+            return base
+        ids = np.union1d(base.ids, self.junk_ids)
+        probs = np.zeros(ids.size)
+        probs[np.searchsorted(ids, base.ids)] += (1.0 - self.junk) * base.probs
+        probs[np.searchsorted(ids, self.junk_ids)] += self.junk / self.junk_ids.size
+        return Dist(ids, probs, base.n_vocab)
+
+    def propose_sampled(self, anchor: int, pos0: int, n_draft: int, sampler, seq_id: int = 0) -> Proposal:
+        key = (pos0, int(anchor))
+        toks, qs = [], []
+        while len(toks) < min(n_draft, self.block_size) and key in self.table:
+            q = self._q(self.table[key], sampler, toks)
+            toks.append(sampler.sample(q))
+            qs.append(q)
+            key = key + (toks[-1],)
+        if not toks:
+            return EMPTY
+        return Proposal(np.asarray(toks, dtype=np.int32), None, qs)

@@ -31,7 +31,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["SamplingParams", "TokenSampler", "chain_probs", "sample_from", "resolve_seed"]
+__all__ = ["Dist", "SamplingParams", "TokenSampler", "chain_dist", "chain_probs", "sample_from", "resolve_seed"]
 
 # llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed"
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
@@ -132,6 +132,27 @@ def apply_penalties(logits: np.ndarray, window: np.ndarray, params: SamplingPara
     return out
 
 
+_native_top_k = None
+
+
+def _top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest entries of x (any order): the shim's nth_element, else numpy."""
+    global _native_top_k
+    if _native_top_k is None:
+        try:
+            from . import _native
+
+            _native_top_k = _native
+        except Exception:  # the pure-numpy fallback keeps this module usable without the shim
+            _native_top_k = False
+    if _native_top_k and x.dtype == np.float32 and x.flags.c_contiguous:
+        out = np.empty(k, dtype=np.int32)
+        _native_top_k.check(_native_top_k.top_k_f32(_native_top_k.ptr_f32(x), x.size, k,
+                                                    _native_top_k.ptr_i32(out)), "top-k")
+        return out.astype(np.int64)
+    return np.argpartition(x, x.size - k)[x.size - k:]
+
+
 def _top_p_keep(l: np.ndarray, p: float) -> np.ndarray:
     """Indices (into l) of the smallest decreasing-logit prefix whose softmax mass reaches p."""
     n = l.size
@@ -140,10 +161,7 @@ def _top_p_keep(l: np.ndarray, p: float) -> np.ndarray:
     total = e.sum()
     # adaptive like llama.cpp: try the 256 largest first, sort everything only if they fall short
     k = min(256, n)
-    if k < n:
-        part = np.argpartition(-l, k - 1)[:k]
-    else:
-        part = np.arange(n)
+    part = _top_k_indices(l, k) if k < n else np.arange(n)
     order = part[np.argsort(-l[part], kind="stable")]
     cum = np.cumsum(e[order]) / total
     hit = np.flatnonzero(cum >= p)
@@ -155,24 +173,61 @@ def _top_p_keep(l: np.ndarray, p: float) -> np.ndarray:
     return order[:m]
 
 
-def chain_probs(logits: np.ndarray, params: SamplingParams, window: Optional[np.ndarray] = None,
-                out: Optional[np.ndarray] = None) -> np.ndarray:
-    """The distribution (float64 [n_vocab], zeros outside the kept set) the chain samples from.
+class Dist:
+    """A distribution over the vocabulary kept sparse: ``ids`` (ascending) and their ``probs``.
+
+    Indexing by a token id gives its probability; ``np.asarray(dist)`` the dense float64 vector,
+    so a Dist can stand wherever a probability vector is expected."""
+
+    __slots__ = ("ids", "probs", "n_vocab")
+
+    def __init__(self, ids: np.ndarray, probs: np.ndarray, n_vocab: int):
+        self.ids = ids
+        self.probs = probs
+        self.n_vocab = int(n_vocab)
+
+    def __len__(self) -> int:
+        return self.n_vocab
+
+    def __getitem__(self, token) -> float:
+        t = int(token)
+        j = int(np.searchsorted(self.ids, t))
+        return float(self.probs[j]) if j < self.ids.size and self.ids[j] == t else 0.0
+
+    def dense(self) -> np.ndarray:
+        out = np.zeros(self.n_vocab, dtype=np.float64)
+        out[self.ids] = self.probs
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        d = self.dense()
+        return d if dtype is None else d.astype(dtype)
+
+    def sample(self, u: float) -> int:
+        c = np.cumsum(self.probs)
+        j = int(np.searchsorted(c, u * c[-1], side="right"))
+        return int(self.ids[min(j, self.ids.size - 1)])
+
+
+def chain_dist(logits: np.ndarray, params: SamplingParams, window: Optional[np.ndarray] = None) -> Dist:
+    """The distribution llama.cpp's chain samples from for this logits row, as a sparse Dist.
 
     ``window``: the token ids the penalties look at (already cut to the last ``penalty_last_n``).
     """
     if params.is_greedy:
-        raise ValueError("chain_probs needs temperature > 0 (temperature <= 0 is the greedy path)")
+        raise ValueError("the sampler chain needs temperature > 0 (temperature <= 0 is the greedy path)")
     x = np.asarray(logits)
     if x.ndim != 1 or x.size == 0:
         raise ValueError(f"logits must be a non-empty 1-D row, got shape {x.shape}")
+    if x.dtype != np.float32:
+        x = x.astype(np.float32)
     if params.has_penalties and window is not None and len(window):
         x = apply_penalties(x, np.asarray(window, dtype=np.int64), params)
     n = x.size
     idx = None
     k = int(params.top_k)
     if 0 < k < n:
-        idx = np.argpartition(x, n - k)[n - k:]
+        idx = _top_k_indices(x, k)
         l = x[idx]
     else:
         l = x
@@ -181,8 +236,7 @@ def chain_probs(logits: np.ndarray, params: SamplingParams, window: Optional[np.
         idx = keep if idx is None else idx[keep]
         l = l[keep]
     if params.min_p > 0.0:
-        mx = np.float32(l.max())
-        thr = np.float32(mx + np.float32(math.log(params.min_p)))
+        thr = np.float32(np.float32(l.max()) + np.float32(math.log(params.min_p)))
         keep = np.flatnonzero(l >= thr)
         idx = keep if idx is None else idx[keep]
         l = l[keep]
@@ -192,19 +246,28 @@ def chain_probs(logits: np.ndarray, params: SamplingParams, window: Optional[np.
         raise ValueError("no finite logit survives the sampler chain")
     e = np.exp(z - mx)
     e /= e.sum()
-    if out is None:
-        out = np.zeros(n, dtype=np.float64)
-    else:
-        out[:] = 0.0
     if idx is None:
-        out[:] = e
+        idx = np.arange(n)
     else:
-        out[idx] = e
-    return out
+        order = np.argsort(idx)
+        idx, e = idx[order], e[order]
+    nz = e > 0.0
+    if not nz.all():
+        idx, e = idx[nz], e[nz]
+    return Dist(idx.astype(np.int64, copy=False), e, n)
 
 
-def sample_from(probs: np.ndarray, u: float) -> int:
-    """Inverse-CDF draw: the first id whose cumulative probability exceeds u * total."""
+def chain_probs(logits: np.ndarray, params: SamplingParams, window: Optional[np.ndarray] = None) -> np.ndarray:
+    """:func:`chain_dist` as a dense float64 vector (zeros outside the kept set)."""
+    return chain_dist(logits, params, window).dense()
+
+
+def sample_from(probs, u: float) -> int:
+    """Inverse-CDF draw (ids in ascending order): the first id whose cumulative probability
+    exceeds u * total.  ``probs``: a Dist or a dense probability vector."""
+    if isinstance(probs, Dist):
+        return probs.sample(u)
+    probs = np.asarray(probs)
     nz = np.flatnonzero(probs)
     if nz.size == 0:
         raise ValueError("cannot sample from an all-zero distribution")
@@ -234,11 +297,11 @@ class TokenSampler:
         seq = self.history + list(extra) if len(extra) else self.history
         return np.asarray(seq if n < 0 else seq[-n:], dtype=np.int64)
 
-    def probs(self, logits: np.ndarray, extra: Sequence[int] = ()) -> np.ndarray:
+    def probs(self, logits: np.ndarray, extra: Sequence[int] = ()) -> Dist:
         """Chain distribution of a logits row, the sequence being history + ``extra``."""
-        return chain_probs(logits, self.params, self.window(extra))
+        return chain_dist(logits, self.params, self.window(extra))
 
-    def sample(self, probs: np.ndarray) -> int:
+    def sample(self, probs) -> int:
         return sample_from(probs, self.rng.random())
 
     def accept(self, tokens: Iterable[int]) -> None:

@@ -46,7 +46,8 @@ def speculative_accept(drafted: np.ndarray, draft_probs, target_probs, uniforms,
                        eog: Optional[np.ndarray] = None) -> Tuple[int, List[int]]:
     """Speculative sampling (Leviathan et al. / Chen et al.): lossless at any temperature.
 
-    ``drafted[i]`` was drawn from ``draft_probs[i]`` (a probability vector over the vocabulary);
+    ``drafted[i]`` was drawn from ``draft_probs[i]`` (a probability vector over the vocabulary, or
+    a :class:`~.sampling.Dist`);
     ``target_probs[i]`` is the target's distribution at the same position (i = 0 follows the
     anchor), with ``len(drafted) + 1`` rows (the last is the bonus row).  Both may be lazy
     sequences: row i is only read once the drafts before it are accepted.  ``uniforms`` yields
@@ -81,6 +82,6 @@ def speculative_accept(drafted: np.ndarray, draft_probs, target_probs, uniforms,
             resid = np.asarray(p, dtype=np.float64)
         emitted.append(sample_from(resid, uniforms()))
         return i, emitted
-    emitted.append(sample_from(np.asarray(target_probs[n], dtype=np.float64), uniforms()))
+    emitted.append(sample_from(target_probs[n], uniforms()))
     return n, emitted
 

@@ -117,6 +117,6 @@ def test_cli_reports_errors_without_a_traceback(tmp_path):
                         "-p", "hi"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
     assert "Error:" in p.stderr and "not found" in p.stderr and "Traceback" not in p.stderr
-    p = subprocess.run([sys.executable, "-m", "pyllama_dspark.cli", "run", "-p", "hi", "--temp", "0.7"],
+    p = subprocess.run([sys.executable, "-m", "pyllama_dspark.cli", "run", "-p", "hi", "--top-p", "1.5"],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "greedy" in p.stderr
+    assert p.returncode == 2 and "top_p" in p.stderr and "Traceback" not in p.stderr

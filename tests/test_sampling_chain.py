@@ -64,7 +64,7 @@ def test_penalties_change_the_distribution(rows):
     pen = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.5)
     a = TokenSampler(plain.with_seed(0), history).probs(row)
     b = TokenSampler(pen.with_seed(0), history).probs(row)
-    assert np.abs(a - b).max() > 1e-3
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-3
 
 
 def test_defaults_are_llama_cpp_defaults():

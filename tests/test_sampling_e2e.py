@@ -1,0 +1,192 @@
+"""End to end at T > 0 on SmolLM2: speculative sampling emits what plain sampling would.
+
+For each prompt, the engine (``Speculator.stream`` with ``sampling=`` and ``reuse_prefix=True``, so
+the prompt is decoded once) produces the first two tokens of many independent continuations
+(seeds seed0 + i).  The second token always comes out of a speculative cycle (one draft verified,
+accepted or resampled; ``max_tokens=3`` lets the engine draft exactly one token there).  The
+expected joint law of (t1, t2) is computed independently: llama-cpp-python's ``Llama`` evaluates
+the prompt and every possible t1, and llama.cpp's own sampler chain (``llama_sampler_*``) gives
+the distributions plain sampling would draw from.  A chi-square goodness-of-fit test per case and
+combined over all cases must not reject (p > 1e-3); the total variation to the exact law is
+reported.
+
+Proposers: the random DSpark draft (its q is nearly disjoint from the target: mostly the
+resample path) and the table oracle (q = a flattened copy of the target's own distribution plus
+junk tokens: partial acceptance).  One configuration adds repeat/presence penalties, whose history
+(prompt + t1) must line up between draft, target and reference.
+
+A negative control runs the same harness with a proposer that reports a q other than the one it
+drew from; the test must reject it (that is what makes the harness able to fail).
+
+``PYLLAMA_DSPARK_E2E_SAMPLES`` sets the samples per case (default 2500: 8 cases = 20k samples).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from llama_cpp import llama_cpp as ll
+
+from greedy_ref import open_llama
+from llama_sampler_ref import LlamaChain
+from pyllama_dspark.api import Speculator
+from pyllama_dspark.oracle import TableOracleProposer
+from pyllama_dspark.sampling import SamplingParams
+from test_sampling_rule import chi2_sf
+
+N_PER_CASE = int(os.environ.get("PYLLAMA_DSPARK_E2E_SAMPLES", "2500"))
+THREADS = 1
+PARAMS = {
+    "plain": SamplingParams(temperature=1.0, top_k=12, top_p=0.95, min_p=0.02),
+    "penalties": SamplingParams(temperature=0.9, top_k=12, top_p=1.0, min_p=0.0, repeat_penalty=1.3,
+                                presence_penalty=0.5, penalty_last_n=64),
+}
+PROMPTS = [
+    "The capital of France is",
+    "Here is a list of fruits: apples, bananas,",
+    "def add(a, b):\n    return",
+    "She opened the door and saw",
+]
+# (proposer, params, prompt index): 8 cases
+CASES = [("dspark", "plain", 0), ("dspark", "plain", 1), ("dspark", "penalties", 2), ("dspark", "plain", 3),
+         ("oracle", "plain", 0), ("oracle", "penalties", 1), ("oracle", "plain", 2), ("oracle", "plain", 3)]
+
+
+def _row(llm) -> np.ndarray:
+    ptr = ll.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
+
+
+class Reference:
+    """Exact law of (t1, t2) under plain sampling with llama.cpp's sampler chain."""
+
+    def __init__(self, llm, prompt, params: SamplingParams):
+        v = llm.n_vocab()
+        llm.reset()
+        llm.eval(list(prompt))
+        n = llm.n_tokens
+        chain = LlamaChain(params, v, prompt)
+        self.p1 = chain.probs(_row(llm))
+        chain.close()
+        self.rows = {}      # t1 -> the target's logits row after prompt + t1
+        self.joint = {}
+        for t1 in np.flatnonzero(self.p1):
+            llm.n_tokens = n
+            llm.eval([int(t1)])
+            row = _row(llm)
+            self.rows[int(t1)] = row
+            chain = LlamaChain(params, v, list(prompt) + [int(t1)])
+            p2 = chain.probs(row)
+            chain.close()
+            for t2 in np.flatnonzero(p2):
+                self.joint[(int(t1), int(t2))] = self.p1[t1] * p2[t2]
+
+
+def first_two(sp, prompt, params, seed):
+    it = sp.stream(prompt, 3, sampling=params.with_seed(seed), reuse_prefix=True)
+    got = []
+    for ev in it:
+        got += ev.tokens
+        if len(got) >= 2:
+            break
+    it.close()
+    return tuple(got[:2])
+
+
+def chi2_test(samples, joint):
+    """Chi-square over cells with expected count >= 5, the rest pooled: (stat, dof, TV, outside)."""
+    n = len(samples)
+    keys = list(joint)
+    probs = np.array([joint[k] for k in keys])
+    index = {k: i for i, k in enumerate(keys)}
+    counts = np.zeros(len(keys))
+    outside = 0
+    for s in samples:
+        i = index.get(s)
+        if i is None:
+            outside += 1
+        else:
+            counts[i] += 1
+    tv = 0.5 * (np.abs(counts / n - probs).sum() + outside / n)
+    big = probs * n >= 5
+    obs = np.append(counts[big], counts[~big].sum() + outside)
+    exp = np.append(probs[big] * n, probs[~big].sum() * n)
+    m = exp > 0
+    stat = float(((obs[m] - exp[m]) ** 2 / exp[m]).sum())
+    return stat, int(m.sum()) - 1, tv, outside
+
+
+@pytest.fixture(scope="module")
+def refs(target_path):
+    llm = open_llama(target_path)
+    out = {}
+    try:
+        for _, pname, pi in CASES:
+            if (pname, pi) not in out:
+                prompt = llm.tokenize(PROMPTS[pi].encode(), add_bos=True, special=True)
+                out[(pname, pi)] = (prompt, Reference(llm, prompt, PARAMS[pname]))
+    finally:
+        llm.close()
+    return out
+
+
+def _run_case(sp, kind, pname, pi, refs, seed0, n):
+    prompt, ref = refs[(pname, pi)]
+    if kind == "oracle":
+        table = {(len(prompt), t1): row for t1, row in ref.rows.items()}
+        sp.decoder.proposer = TableOracleProposer(table, block_size=1, skew=1.6, junk=0.1, junk_ids=(11, 12, 13))
+    samples = [first_two(sp, prompt, PARAMS[pname], seed0 + i) for i in range(n)]
+    return samples, ref
+
+
+def test_first_two_tokens_match_plain_sampling(target_path, dspark_draft_path, refs):
+    results = []
+    with Speculator(target_path, dspark_draft_path, n_threads=THREADS, n_max=1, n_ctx=512) as sp:
+        draft_proposer = sp.decoder.proposer
+        for c, (kind, pname, pi) in enumerate(CASES):
+            sp.decoder.proposer = draft_proposer
+            samples, ref = _run_case(sp, kind, pname, pi, refs, 1000 * c, N_PER_CASE)
+            stat, dof, tv, outside = chi2_test(samples, ref.joint)
+            # the speculative cycle really ran: the second token was verified, not plainly sampled
+            results.append((kind, pname, pi, stat, dof, tv, outside, chi2_sf(stat, dof)))
+        sp.decoder.proposer = draft_proposer
+    total = sum(r[3] for r in results), sum(r[4] for r in results)
+    p_all = chi2_sf(*total)
+    lines = [f"{k:6s} {pn:9s} prompt {pi}: chi2 {st:7.1f} dof {d:3d} p {p:.3g} TV {tv:.4f} outside {o}"
+             for k, pn, pi, st, d, tv, o, p in results]
+    report = (f"\n{len(CASES)} cases x {N_PER_CASE} samples = {len(CASES) * N_PER_CASE}; combined chi2 "
+              f"{total[0]:.1f} dof {total[1]} p = {p_all:.4f}\n" + "\n".join(lines))
+    print(report)
+    assert all(r[6] == 0 for r in results), "a pair the target can never emit was emitted" + report
+    assert p_all > 1e-3, report
+    assert all(r[7] > 1e-4 for r in results), report
+
+
+class _LyingOracle(TableOracleProposer):
+    """Draws from a flattened q but reports the sharper one: a broken verification input."""
+
+    def propose_sampled(self, anchor, pos0, n_draft, sampler, seq_id=0):
+        prop = super().propose_sampled(anchor, pos0, n_draft, sampler, seq_id)
+        if len(prop.tokens):
+            key = (pos0, int(anchor))
+            prop.probs = [sampler.probs(self.table[key], [])]
+            if prop.probs[0][int(prop.tokens[0])] == 0.0:   # keep the rule's precondition satisfied
+                q = np.asarray(prop.probs[0]) * 0.9
+                q[int(prop.tokens[0])] += 0.1
+                prop.probs = [q]
+        return prop
+
+
+def test_negative_control_wrong_q_is_detected(target_path, refs):
+    pname, pi = "plain", 0
+    prompt, ref = refs[(pname, pi)]
+    table = {(len(prompt), t1): row for t1, row in ref.rows.items()}
+    with Speculator(target_path, n_threads=THREADS, n_ctx=512) as sp:
+        sp.decoder.proposer = _LyingOracle(table, block_size=1, skew=3.0, junk=0.3, junk_ids=(11, 12, 13))
+        samples = [first_two(sp, prompt, PARAMS[pname], 7 + i) for i in range(1500)]
+    stat, dof, tv, outside = chi2_test(samples, ref.joint)
+    p = chi2_sf(stat, dof)
+    print(f"\nnegative control: 1500 samples, chi2 {stat:.1f} dof {dof} p {p:.3g} TV {tv:.4f} outside {outside}")
+    assert p < 1e-6 or outside > 0
