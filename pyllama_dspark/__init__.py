@@ -15,6 +15,12 @@ def __getattr__(name):
     if name == "Speculator":
         from .api import Speculator
         return Speculator
+    if name == "DSpark":
+        from .dspark import DSpark
+        return DSpark
+    if name in ("DSparkDraftModel", "attach_dspark"):
+        from . import llama_plugin
+        return getattr(llama_plugin, name)
     if name in ("SpecDecoder", "Stats", "Chunk", "Done"):
         from . import engine
         return getattr(engine, name)

@@ -1,0 +1,202 @@
+"""The ``DSpark`` class: llama-cpp-python's completion API and schema on our speculative engine.
+
+Greedy results through ``DSpark`` (from paths, and over an existing ``Llama``) must equal a plain
+``Llama``'s greedy results from a fresh prefill on 10 benchmark prompts; streamed deltas must
+concatenate to the non-streaming text; the dicts must have llama-cpp-python's keys plus
+llama-server's ``timings``; usage, finish reasons, stop strings, max_tokens, echo and seeds behave
+as in llama-cpp-python; closing frees what it owns and later use raises ClosedError.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from integration_refs import (DSPARK_KW, N_TOKENS, THREADS, chat_cases, content, greedy_chat, open_llama,
+                              streamed_content)
+from pyllama_dspark.dspark import DSpark
+from pyllama_dspark.errors import ClosedError, ContextOverflowError
+
+TIMING_KEYS = {"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
+               "predicted_per_second", "draft_n", "draft_n_accepted"}
+
+
+@pytest.fixture(scope="module")
+def plain(target_path):
+    llm = open_llama(target_path)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def cases(plain):
+    out = []
+    for name, msgs in chat_cases():
+        plain.reset()   # a fresh prefill, as DSpark always does
+        out.append((name, msgs, greedy_chat(plain, msgs)))
+    assert len(out) >= 10
+    return out
+
+
+@pytest.fixture(scope="module")
+def ds(target_path, dspark_draft_path):
+    with DSpark(target_path, dspark_draft_path, **DSPARK_KW) as d:
+        yield d
+
+
+def _check_timings(t: dict, stats) -> None:
+    assert TIMING_KEYS <= set(t)
+    assert t["draft_n"] == stats.drafted and t["draft_n_accepted"] == stats.accepted
+    assert t["predicted_n"] == stats.n_generated and t["prompt_n"] == stats.n_prompt
+    assert t["prompt_ms"] > 0 and t["predicted_ms"] > 0 and t["predicted_per_second"] > 0
+
+
+def test_chat_equals_llama_greedy_and_streams_concatenate(ds, cases):
+    failures, drafted = [], 0
+    for name, msgs, ref in cases:
+        r = greedy_chat(ds, msgs)
+        drafted += r["timings"]["draft_n"]
+        text, chunks = streamed_content(greedy_chat(ds, msgs, stream=True))
+        if content(r) != content(ref):
+            failures.append(f"{name}: {content(r)!r} != {content(ref)!r}")
+        if text != content(r):
+            failures.append(f"{name} (stream): {text!r} != {content(r)!r}")
+        # llama-cpp-python's schema, plus timings
+        assert set(ref) <= set(r) and r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
+        assert r["usage"] == ref["usage"], name
+        assert r["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"], name
+        assert r["choices"][0]["message"]["role"] == "assistant"
+        _check_timings(r["timings"], ds.last_stats)
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        assert chunks[-1]["choices"][0]["finish_reason"] == r["choices"][0]["finish_reason"]
+        assert TIMING_KEYS <= set(chunks[-1]["timings"])
+    print(f"\nDSpark over {len(cases)} prompts: drafted {drafted}")
+    assert drafted > 10 * len(cases), "the speculative path did not run"
+    assert not failures, "\n".join(failures)
+
+
+def test_from_llama_equals_llama_greedy(target_path, dspark_draft_path, cases):
+    llm = open_llama(target_path)
+    try:
+        ds = DSpark.from_llama(llm, dspark_draft_path)
+        for name, msgs, ref in cases[:3]:
+            r = greedy_chat(ds, msgs)
+            assert content(r) == content(ref), name
+            assert r["usage"] == ref["usage"] and r["timings"]["draft_n"] > 0
+        # the Llama still works, unchanged, and shares its model with the DSpark
+        llm.reset()
+        assert content(greedy_chat(llm, cases[0][1])) == content(cases[0][2])
+        assert ds.target.model == llm._model.model
+        ds.close()
+        with pytest.raises(ClosedError):
+            ds.create_completion("Hi", temperature=0)
+        llm.reset()
+        assert content(greedy_chat(llm, cases[1][1])) == content(cases[1][2])
+        # closing the Llama closes a DSpark made over it first
+        ds2 = DSpark.from_llama(llm, dspark_draft_path)
+    finally:
+        llm.close()
+    assert ds2.target.ctx is None and ds2.draft.ctx is None
+    with pytest.raises(ClosedError):
+        ds2.create_chat_completion([{"role": "user", "content": "Hi"}], temperature=0)
+
+
+@pytest.mark.parametrize("prompt, kw", [
+    ("The capital of France is", {}),
+    ("def fibonacci(n):", {"stop": ["\n\n"]}),
+    ("List three fruits:\n1.", {"stop": "3."}),
+    ("Once upon a time", {"max_tokens": 5, "echo": True}),
+    ([1, 504, 3458, 282], {}),
+])
+def test_completion_matches_llama(ds, plain, prompt, kw):
+    args = dict(max_tokens=N_TOKENS, temperature=0.0)
+    args.update(kw)
+    plain.reset()
+    ref = plain.create_completion(prompt, **args)
+    r = ds.create_completion(prompt, **args)
+    assert r["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert r["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
+    assert r["usage"] == ref["usage"]
+    assert set(ref) <= set(r) and set(ref["choices"][0]) == set(r["choices"][0])
+    assert r["object"] == "text_completion" and r["id"].startswith("cmpl-") and r["model"] == ds.model_path
+    chunks = list(ds.create_completion(prompt, stream=True, **{k: v for k, v in args.items() if k != "echo"}))
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
+    assert streamed == ref["choices"][0]["text"][len(prompt) if kw.get("echo") else 0:]
+    assert chunks[-1]["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == ref["usage"] and TIMING_KEYS <= set(chunks[-1]["timings"])
+    assert ds(prompt, **args)["choices"][0]["text"] == r["choices"][0]["text"]   # __call__
+
+
+def test_eos_and_max_tokens(ds, plain):
+    msgs = [{"role": "user", "content": "Say hi."}]
+    plain.reset()
+    ref = greedy_chat(plain, msgs, n=200)
+    r = greedy_chat(ds, msgs, n=200)
+    assert ref["choices"][0]["finish_reason"] == "stop"          # ended on EOS
+    assert content(r) == content(ref) and r["usage"] == ref["usage"]
+    assert r["choices"][0]["finish_reason"] == "stop"
+    r = ds.create_chat_completion(msgs, temperature=0, max_tokens=3)
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 3
+
+
+def test_seeded_sampling(ds):
+    msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
+    kw = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, max_tokens=24)
+    a = content(ds.create_chat_completion(msgs, seed=7, **kw))
+    b = content(ds.create_chat_completion(msgs, seed=7, **kw))
+    others = {content(ds.create_chat_completion(msgs, seed=s, **kw)) for s in (8, 9, 10)}
+    assert a == b, "a fixed seed must reproduce the sample"
+    assert len(others | {a}) > 1, "different seeds never changed the sample"
+    text, _ = streamed_content(ds.create_chat_completion(msgs, seed=7, stream=True, **kw))
+    assert text == a
+
+
+def test_two_dspark_objects_over_two_targets(target_path, dspark_draft_path, dflash_draft_path, cases):
+    msgs, ref = cases[0][1], content(cases[0][2])
+    a = DSpark(target_path, dspark_draft_path, **DSPARK_KW)
+    b = DSpark(target_path, dflash_draft_path, **DSPARK_KW)
+    try:
+        assert a.target.ctx != b.target.ctx and a.target.model != b.target.model
+        sa = a.create_chat_completion(msgs, temperature=0, max_tokens=N_TOKENS, stream=True)
+        sb = b.create_chat_completion(msgs, temperature=0, max_tokens=N_TOKENS, stream=True)
+        pa, pb = [], []
+        for ca, cb in itertools.zip_longest(sa, sb):      # interleaved generation on both targets
+            for c, acc in ((ca, pa), (cb, pb)):
+                if c is not None:
+                    acc.append(c["choices"][0]["delta"].get("content") or "")
+        assert "".join(pa) == ref and "".join(pb) == ref
+        a.close()
+        assert a.target.ctx is None and a.draft.ctx is None
+        with pytest.raises(ClosedError):
+            a.create_chat_completion(msgs, temperature=0)
+        assert content(greedy_chat(b, msgs)) == ref      # the other one is unaffected
+    finally:
+        a.close()
+        b.close()
+    a.close()   # idempotent
+
+
+def test_bad_input(ds):
+    msgs = [{"role": "user", "content": "Hi"}]
+    for kw in (dict(grammar=object()), dict(logprobs=3), dict(logit_bias={1: 1.0}), dict(suffix="x"),
+               dict(mirostat_mode=2), dict(typical_p=0.5), dict(stopping_criteria=[lambda *a: True]),
+               dict(repeat_penalty=1.3)):
+        with pytest.raises(ValueError):
+            ds.create_completion("Hello", temperature=0, **kw)
+    with pytest.raises(ValueError):
+        ds.create_chat_completion(msgs, temperature=0, response_format={"type": "json_object"})
+    with pytest.raises(ValueError):
+        ds.create_chat_completion([], temperature=0)
+    with pytest.raises(ValueError):
+        ds.create_completion("Hello", temperature=-1)
+    with pytest.raises(TypeError):
+        ds.create_completion(3.5, temperature=0)
+    with pytest.raises(ValueError):
+        ds.create_completion([1, 10 ** 9], temperature=0)
+    with pytest.raises(ContextOverflowError):
+        ds.create_completion([1] * 5000, temperature=0)
+    with pytest.raises(TypeError):
+        DSpark.from_llama(object())
