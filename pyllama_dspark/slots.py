@@ -69,6 +69,7 @@ class SlotPool:
         self._task_ids = itertools.count()
         self._lock = threading.Lock()
         self.busy = [False] * len(self.speculators)
+        self._running: List[Optional[Job]] = [None] * len(self.speculators)
         self.n_done = 0
         self.n_cancelled = 0
         self._threads = [threading.Thread(target=self._work, args=(i,), name=f"dspark-slot-{i}", daemon=True)
@@ -124,6 +125,10 @@ class SlotPool:
                 pending.append(j)
         for j in pending:
             _deliver(j, Cancelled("server shutting down"))
+        with self._lock:
+            running = [j for j in self._running if j is not None]
+        for j in running:
+            j.cancel()
         for _ in self._threads:
             self._queue.put(None)
         for t in self._threads:
@@ -145,6 +150,7 @@ class SlotPool:
                 continue
             with self._lock:
                 self.busy[slot] = True
+                self._running[slot] = job
             log.info("slot launch_slot_: id %2d | task %d | processing task (%d prompt tokens)",
                      slot, job.task_id, len(job.prompt_tokens))
             try:
@@ -155,6 +161,7 @@ class SlotPool:
             finally:
                 with self._lock:
                     self.busy[slot] = False
+                    self._running[slot] = None
                 log.info("slot      release: id %2d | task %d | stop processing", slot, job.task_id)
 
     def _run(self, sp, slot: int, job: Job) -> None:
