@@ -25,7 +25,7 @@ penalties at temperature 0.
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Union
 
 from llama_cpp import llama_chat_format as lcf
 

@@ -45,7 +45,6 @@ once positions pass n_batch).  ``detach()`` / ``close()`` restore the Llama's me
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, List, Optional
 
