@@ -211,6 +211,25 @@ def test_features_of_every_n_batch_chunk(cases, target_path, dspark_draft_path):
     assert ours == ref[: len(ours)]
 
 
+def test_partial_acceptance_rollbacks_match_engine(cases, target_path, bigram_draft):
+    """With accepted drafts, llama-cpp-python rolls back after 0..n_max-1 accepted tokens; the draft
+    KV must follow each time: the proposals still equal our engine's, step for step."""
+    n_batch = 32
+    name, msgs, _ = cases[0]
+    llm = open_llama(target_path, n_batch=n_batch, n_ubatch=n_batch)
+    try:
+        prompt = _chat_tokens(llm, msgs)
+        drafter = DSparkDraftModel(llm, bigram_draft, n_max=7, trace=True)
+        out = llm.create_completion(prompt, max_tokens=N_TOKENS, temperature=0)
+        ours = _trace_until(drafter.trace, out["usage"]["completion_tokens"], len(prompt))
+    finally:
+        llm.close()
+    ref, _ = _engine_trace(target_path, bigram_draft, prompt, n_batch, N_TOKENS)
+    steps = {b[0] - a[0] - 1 for a, b in zip(ours, ours[1:])}     # accepted drafts per cycle
+    assert len(steps - {0, 7}) >= 1, f"no partial acceptance happened: {sorted(steps)}"
+    assert ours == ref[: len(ours)]
+
+
 def test_prefix_reuse_and_refill_keep_the_draft_in_sync(cases, target_path, dspark_draft_path):
     n_batch = 32
     name, msgs, _ = cases[1]
