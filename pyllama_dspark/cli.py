@@ -11,6 +11,7 @@ from typing import Optional
 
 import click
 
+from .cli_sched import make_policy, register as _register_sched, with_schedule_options
 from .errors import DSparkError
 
 
@@ -84,9 +85,11 @@ def main():
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at end-of-generation tokens.")
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
+@with_schedule_options
 def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n,
         presence_penalty, frequency_penalty, no_draft, raw, as_json, n_ctx, n_batch, threads,
-        flash_attn, n_gpu_layers, ignore_eos, verbose):
+        flash_attn, n_gpu_layers, ignore_eos, verbose, schedule, conf_min, p_survival_min, calibration,
+        profile_path):
     """Generate text with DSpark speculative decoding.
 
     Lossless: at --temp 0 the output is the target's greedy output; at --temp > 0 it is
@@ -121,8 +124,17 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
                             flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose) as sp:
                 for w in sp.warnings:
                     click.echo(f"warning: {w}", err=True)
-                done = None
-                for ev in sp.stream(prompt, n_predict, chat=not raw, ignore_eos=ignore_eos, sampling=sampling):
+                policy = make_policy(sp, schedule, conf_min, p_survival_min, calibration, profile_path,
+                                     gamma=n_max)
+                if policy is not None:
+                    done = _run_scheduled(sp, policy, prompt, n_predict, n_max, raw, temp, ignore_eos)
+                    if not as_json:
+                        click.echo(done.text, nl=False)
+                    events = ()
+                else:
+                    events = sp.stream(prompt, n_predict, chat=not raw, ignore_eos=ignore_eos, sampling=sampling)
+                    done = None
+                for ev in events:
                     if isinstance(ev, Chunk):
                         if not as_json and ev.text:
                             click.echo(ev.text, nl=False)
@@ -131,11 +143,30 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
         except DSparkError as e:
             _fail(e)
     if as_json:
+        stats = done.stats.as_dict()
+        stats["verify_lengths"] = list(done.stats.verify_lengths)
         click.echo(json.dumps({"text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason,
-                               "stats": done.stats.as_dict()}))
+                               "stats": stats}))
     else:
         click.echo("")
         click.echo(done.stats.summary(), err=True)
+
+
+def _run_scheduled(sp, policy, prompt, n_predict, n_max, raw, temp, ignore_eos):
+    """A scheduled verification run (greedy): the batched decoder with one sequence."""
+    from .batch import BatchDecoder
+
+    if temp != 0:
+        raise click.UsageError("confidence scheduling is implemented for greedy decoding (--temp 0) for now")
+    if ignore_eos:
+        raise click.UsageError("--ignore-eos is not supported with a schedule")
+    tokens, stop = sp._prompt(prompt, not raw, ())
+    bd = BatchDecoder(sp.target, sp.draft, n_max=n_max, policy=policy)
+    (done,) = bd.run([tokens], n_predict, stop=stop)
+    vl = done.stats.verify_lengths
+    click.echo(f"schedule {policy.mode}: verify lengths chosen: mean {sum(vl) / max(len(vl), 1):.2f}, "
+               f"histogram {dict(sorted(__import__('collections').Counter(vl).items()))}", err=True)
+    return done
 
 
 @main.command()
@@ -180,6 +211,7 @@ def make_test_draft_cmd(target, output, kind, n_layers, block_size, markov_rank,
 
 
 # commands in their own modules
+_register_sched(main)
 from .cmd_serve import serve as _serve  # noqa: E402
 
 main.add_command(_serve)

@@ -142,3 +142,58 @@ def calibrate_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit,
 def register(main: click.Group) -> None:
     main.add_command(profile_cmd)
     main.add_command(calibrate_cmd)
+
+
+# ---- options shared with `run` -------------------------------------------------------------------
+
+schedule_options = [
+    click.option("--schedule", type=click.Choice(["off", "static", "survival", "profiled"]), default=None,
+                 help="Verify-length policy (default: off, or static/survival when --conf-min/--p-survival-min is given)."),
+    click.option("--conf-min", type=float, default=None,
+                 help="Static pruning: verify up to the first draft whose confidence is below this."),
+    click.option("--p-survival-min", type=float, default=None,
+                 help="Joint survival cutoff on the product of confidences."),
+    click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="STS calibration file from `pyllama-dspark calibrate` (bound to the draft)."),
+    click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
+                 help="Cost profile from `pyllama-dspark profile` (default: the cached one, measured on first use)."),
+]
+
+
+def with_schedule_options(f):
+    for opt in reversed(schedule_options):
+        f = opt(f)
+    return f
+
+
+def make_policy(sp, schedule: Optional[str], conf_min: Optional[float], p_survival_min: Optional[float],
+                calibration: Optional[str], profile_path: Optional[str], gamma: int = 7):
+    """A VerifyPolicy for an open Speculator, or None for the plain fixed-length path."""
+    from . import costprofile
+    from .calibration import load_calibration
+    from .policy import VerifyPolicy
+
+    if schedule is None:
+        schedule = "static" if conf_min is not None else "survival" if p_survival_min is not None else "off"
+    if schedule == "off":
+        if calibration or profile_path:
+            raise click.UsageError("--calibration/--profile need --schedule static|survival|profiled")
+        return None
+    if sp.draft is None:
+        raise click.UsageError(f"--schedule {schedule} needs a draft (-md)")
+    if not sp.draft.meta.has_confidence:
+        raise click.UsageError(f"--schedule {schedule}: this draft has no confidence head (use --schedule off)")
+    if schedule == "static" and conf_min is None:
+        raise click.UsageError("--schedule static needs --conf-min")
+    if schedule == "survival" and p_survival_min is None:
+        raise click.UsageError("--schedule survival needs --p-survival-min")
+    temps = load_calibration(calibration, sp.draft.path).temperatures if calibration else None
+    cost = None
+    if schedule == "profiled":
+        if profile_path:
+            cost = costprofile.load(profile_path).cost_model()
+        else:
+            click.echo("profiling this machine (cached for next time)...", err=True)
+            cost = costprofile.load_or_measure(sp).cost_model()
+    return VerifyPolicy(mode=schedule, conf_min=conf_min or 0.0, p_survival_min=p_survival_min or 0.0,
+                        cost=cost, temperatures=temps, gamma=gamma)
