@@ -5,7 +5,11 @@ Configurations (all on the same target, each with its own contexts, loaded once)
 * ``none``   -- the target alone (the baseline);
 * ``dflash`` -- the draft in DFlash mode: the same GGUF without the Markov / confidence heads
   (:func:`~pyllama_dspark.dflash_mode.dflash_mode_draft`), i.e. plain parallel drafting;
-* ``dspark`` -- the draft as it is.
+* ``dspark`` -- the draft as it is;
+* ``dspark-static`` / ``dspark-survival`` -- DSpark with confidence-scheduled verification through
+  the batched decoder (:class:`~pyllama_dspark.batch.BatchDecoder`, one sequence): verify up to the
+  first confidence below ``conf_min`` / while the prefix survival stays above ``p_survival_min``
+  (greedy only; drafts with a confidence head only).
 
 For each prompt the configurations run back to back, in an order rotated from prompt to prompt, so
 machine noise hits every configuration alike.  A prompt with several turns (mt-bench) is a
@@ -23,7 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from .prompts import PromptItem
 
-CONFIGS = ("none", "dflash", "dspark")
+CONFIGS = ("none", "dflash", "dspark", "dspark-static", "dspark-survival")
+SCHEDULED = {"dspark-static": "static", "dspark-survival": "survival"}
 
 
 @dataclass
@@ -85,20 +90,70 @@ def draft_for(config: str, draft: Optional[str]) -> Optional[str]:
         from .dflash_mode import dflash_mode_draft
 
         return dflash_mode_draft(draft)
-    if config == "dspark":
+    if config == "dspark" or config in SCHEDULED:
         return draft
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
 
 
-def open_configs(target: str, draft: Optional[str], configs: Sequence[str], *, n_max: int = 7, **settings):
-    """One Speculator per configuration ({name: Speculator}); n_max clamped to what each draft makes."""
+class ScheduledRunner:
+    """DSpark with a verify policy, through the batched decoder on one sequence (greedy)."""
+
+    def __init__(self, target: str, draft: str, mode: str, *, n_max: int = 7, conf_min: float = 0.5,
+                 p_survival_min: float = 0.3, n_ctx: int = 4096, n_threads=None, flash_attn: str = "auto",
+                 n_gpu_layers: int = 0):
+        from .batch import BatchDecoder
+        from .handles import ContextSettings
+        from .models import open_models
+        from .policy import VerifyPolicy
+
+        cs = ContextSettings(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers)
+        self.target, self.draft, _ = open_models(target, draft, cs)
+        try:
+            policy = VerifyPolicy(mode=mode, conf_min=conf_min if mode == "static" else 0.0,
+                                  p_survival_min=p_survival_min if mode == "survival" else 0.0, gamma=n_max)
+            self.decoder = BatchDecoder(self.target, self.draft, n_max=n_max, policy=policy)
+        except BaseException:
+            self.target.close()
+            raise
+
+    def chat_prompt(self, messages):
+        from .chat import build_chat_prompt
+
+        return build_chat_prompt(self.target, messages)
+
+    def generate(self, tokens, max_tokens: int, stop=(), sampling=None):
+        if sampling is not None:
+            raise ValueError("scheduled configurations are greedy only")
+        return self.decoder.run([list(tokens)], max_tokens, stop)[0]
+
+    def close(self) -> None:
+        self.target.close()
+
+
+def has_confidence_head(draft: Optional[str]) -> bool:
+    if draft is None:
+        return False
+    from .gguf_info import read_draft_info
+
+    info = read_draft_info(draft)
+    return bool(info.has_markov and info.has_confidence_head)
+
+
+def open_configs(target: str, draft: Optional[str], configs: Sequence[str], *, n_max: int = 7,
+                 conf_min: float = 0.5, p_survival_min: float = 0.3, **settings):
+    """One runner per configuration ({name: Speculator or ScheduledRunner}); n_max clamped to what
+    each draft makes."""
     import warnings
 
     from .api import Speculator
 
-    out: Dict[str, "Speculator"] = {}
+    out: Dict[str, object] = {}
     try:
         for name in configs:
+            if name in SCHEDULED:
+                out[name] = ScheduledRunner(target, draft_for(name, draft), SCHEDULED[name], n_max=n_max,
+                                            conf_min=conf_min, p_survival_min=p_survival_min, **settings)
+                continue
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 sp = Speculator(target, draft_for(name, draft), n_max=n_max, **settings)

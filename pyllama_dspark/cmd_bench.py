@@ -19,8 +19,13 @@ from .errors import DSparkError
               help="JSONL prompt files or directories ({\"turns\": [...]} per line); repeatable "
                    "(default: ../shared/bench/prompts or $PYLLAMA_DSPARK_PROMPTS).")
 @click.option("--limit", type=int, default=5, show_default=True, help="Prompts per file.")
-@click.option("--configs", default="none,dflash,dspark", show_default=True,
-              help="Comma-separated configurations: none (no draft), dflash (Markov head off), dspark.")
+@click.option("--configs", default="auto", show_default=True,
+              help="Comma-separated configurations: none (no draft), dflash (Markov head off), dspark, "
+                   "dspark-static, dspark-survival (confidence-scheduled verification, greedy, drafts with a "
+                   "confidence head); auto = none,dflash,dspark plus the scheduled ones where available.")
+@click.option("--conf-min", type=float, default=0.5, show_default=True, help="dspark-static: confidence cut.")
+@click.option("--p-survival", "p_survival", type=float, default=0.3, show_default=True,
+              help="dspark-survival: prefix-survival cut.")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=128, show_default=True, help="Max tokens per turn.")
 @click.option("--n-max", type=int, default=7, show_default=True, help="Draft tokens per block.")
 @click.option("--temp", type=float, default=0.0, show_default=True, help="Temperature (0 = greedy).")
@@ -32,17 +37,20 @@ from .errors import DSparkError
 @click.option("--json", "json_path", default=None, help="Write the full results as JSON to this file ('-': stdout).")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG of per-position acceptance (needs matplotlib).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def bench(model, draft, prompts, limit, configs, n_predict, n_max, temp, seed, n_ctx, threads, flash_attn,
+def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict, n_max, temp, seed, n_ctx, threads, flash_attn,
           n_gpu_layers, json_path, plot_path, no_progress):
     """Benchmark no draft / DFlash mode / DSpark side by side (tables like the llama.cpp PR's)."""
     from tqdm import tqdm
 
-    from .bench import CONFIGS, open_configs, run_bench
+    from .bench import CONFIGS, SCHEDULED, has_confidence_head, open_configs, run_bench
     from .bench_report import plot_positions, report_json, report_text
     from .cli import default_target, random_draft_for
     from .prompts import load_prompts
 
     names = [c.strip() for c in configs.split(",") if c.strip()]
+    auto = names == ["auto"]
+    if auto:
+        names = ["none", "dflash", "dspark"]
     bad = [c for c in names if c not in CONFIGS]
     if bad or not names:
         raise click.BadParameter(f"unknown configuration(s) {bad}; choose from {', '.join(CONFIGS)}",
@@ -60,6 +68,13 @@ def bench(model, draft, prompts, limit, configs, n_predict, n_max, temp, seed, n
     target = model or default_target()
     if draft in ("random", "random-dspark"):
         draft = random_draft_for(target, "dspark")
+    if auto and temp == 0 and has_confidence_head(draft):
+        names += list(SCHEDULED)
+    if temp > 0 and any(c in SCHEDULED for c in names):
+        raise click.BadParameter("the scheduled configurations are greedy only (--temp 0)", param_hint="--configs")
+    if any(c in SCHEDULED for c in names) and not has_confidence_head(draft):
+        raise click.BadParameter("the scheduled configurations need a DSpark draft with a confidence head",
+                                 param_hint="--configs")
     try:
         items = load_prompts(list(prompts), limit_per_file=limit)
     except (OSError, ValueError) as e:
@@ -68,7 +83,8 @@ def bench(model, draft, prompts, limit, configs, n_predict, n_max, temp, seed, n
         raise click.ClickException("no prompts found")
     settings = dict(n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers)
     try:
-        sps = open_configs(target, draft if any(c != "none" for c in names) else None, names, n_max=n_max, **settings)
+        sps = open_configs(target, draft if any(c != "none" for c in names) else None, names, n_max=n_max,
+                           conf_min=conf_min, p_survival_min=p_survival, **settings)
     except (DSparkError, ValueError, OSError) as e:
         raise click.ClickException(str(e))
     try:
@@ -89,6 +105,7 @@ def bench(model, draft, prompts, limit, configs, n_predict, n_max, temp, seed, n
             sp.close()
 
     meta = {"target": target, "draft": draft, "configs": names, "n_predict": n_predict, "n_max": n_max,
+            "conf_min": conf_min, "p_survival_min": p_survival,
             "temperature": temp, "seed": seed if temp > 0 else None, "limit_per_file": limit,
             "threads": threads, "n_ctx": n_ctx, "flash_attn": flash_attn, "prompts": len(items)}
     click.echo(f"bench: {len(items)} prompts x {len(names)} configurations, interleaved; "

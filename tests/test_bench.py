@@ -90,20 +90,24 @@ def test_bench_cli_small_run(dspark_draft_path, target_path, tmp_path):
     data = json.loads(out_json.read_text())
     assert data["greedy_mismatches"] == []
     res = data["results"]
-    assert sorted({x["config"] for x in res}) == ["dflash", "dspark", "none"] and len(res) == 6
+    # auto: the scheduled variants join because the random draft has a confidence head
+    cfgs = ["dflash", "dspark", "dspark-static", "dspark-survival", "none"]
+    assert sorted({x["config"] for x in res}) == cfgs and len(res) == 10
     assert {x["turns"] for x in res if x["source"] == "mt-bench"} == {2}
     assert all(x["n_generated"] >= 2 for x in res)
     assert all(x["drafted"] > 0 for x in res if x["config"] != "none")
     assert all(x["drafted"] == 0 for x in res if x["config"] == "none")
-    for cfg in ("none", "dflash", "dspark"):
+    for cfg in cfgs:
         assert set(data["summary"][cfg]) == {"math", "chat", "overall"}
-    assert {"dspark_vs_none", "dflash_vs_none", "dspark_vs_dflash"} <= set(data["comparisons"])
+    assert {"dspark_vs_none", "dflash_vs_none", "dspark_vs_dflash", "dspark-static_vs_none"} <= set(data["comparisons"])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_cli_bad_input(tmp_path):
     r = CliRunner().invoke(main, ["bench", "--configs", "none,warp"])
     assert r.exit_code == 2 and "unknown configuration" in r.output
+    r = CliRunner().invoke(main, ["bench", "--configs", "dspark-static", "--temp", "0.5", "--limit", "1"])
+    assert r.exit_code == 2 and "greedy only" in r.output
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"nope": 1}\n')
     r = CliRunner().invoke(main, ["bench", "--configs", "none", "--prompts", str(bad)])
