@@ -83,6 +83,22 @@ def read_d2t(path: str) -> Optional[np.ndarray]:
     return None if t is None else t.astype(np.int64)
 
 
+def bias_delta(b_graph: np.ndarray, b_sampled: np.ndarray, d2t: Optional[np.ndarray], n_vocab: int) -> np.ndarray:
+    """B(x) - B(a) on the target vocabulary (float32 [n_vocab]): what turns llama.cpp's row
+    conditioned on a into the row conditioned on x.  Reduced-vocabulary drafts scatter the draft
+    rows to their target ids through ``d2t`` (every other id gets 0)."""
+    d = np.asarray(b_sampled, dtype=np.float32) - np.asarray(b_graph, dtype=np.float32)
+    if d2t is None:
+        if d.size != n_vocab:
+            raise ValueError(f"bias rows have {d.size} entries for a {n_vocab}-token vocabulary and no d2t")
+        return d
+    if d2t.size != d.size:
+        raise ValueError(f"d2t has {d2t.size} entries, the bias rows {d.size}")
+    full = np.zeros(n_vocab, dtype=np.float32)
+    full[d2t] = d
+    return full
+
+
 class BlockSampler:
     """Draws the drafts of one decoded block, left to right, with the sampled-token Markov chain.
 
@@ -106,16 +122,7 @@ class BlockSampler:
         self._conf = np.zeros(cap, dtype=np.float32)
         self.n_bias_calls = 0
 
-    def _delta(self, bias: np.ndarray) -> np.ndarray:
-        """B(x) - B(a) on the target vocabulary."""
-        d = bias[1] - bias[0]
-        if self.d2t is None:
-            return d
-        full = np.zeros(self.n_vocab, dtype=np.float32)
-        full[self.d2t] = d
-        return full
-
-    def sample(self, anchor: int, row0: int, n: int, smp, with_conf: bool = True):
+    def sample(self, row0: int, n: int, smp, with_conf: bool = True):
         """Drafts from rows row0..row0+n-1 of the last block decode: (tokens, q rows, confidence)."""
         d = self.draft
         d.argmax(row0, n, self._argmax, self._margin)
@@ -133,7 +140,7 @@ class BlockSampler:
                 if prev != prev_graph:
                     bias, w1 = self.markov.bias_w1([prev_graph, prev])
                     self.n_bias_calls += 1
-                    logits = logits + self._delta(bias)
+                    logits = logits + bias_delta(bias[0], bias[1], self.d2t, self.n_vocab)
                     if conf is not None:
                         conf[k] = self.conf(d.hidden(row0 + k), w1[1])
             q = smp.probs(logits, tokens)

@@ -123,6 +123,11 @@ class DraftModelProposer(Proposer):
         d.seq_rm(seq_id, pos0, -1)
         return Proposal(self._ids[:n_draft].copy(), conf)
 
+    @property
+    def block_sampler(self):
+        """The :class:`~.draft_sampling.BlockSampler` T > 0 proposals use (built on first use)."""
+        return self._sampler()
+
     def _sampler(self):
         if self._block_sampler is None:
             from .draft_sampling import BlockSampler, read_conf_head, read_d2t
@@ -154,7 +159,7 @@ class DraftModelProposer(Proposer):
         block[1:] = self.meta.mask_token_id
         d = self.draft
         d.decode_block(block, pos0, seq_id, hidden=bs.conf is not None and bs.conditioning == "sampled")
-        tokens, q, conf = bs.sample(anchor, self.offset, n_draft, sampler)
+        tokens, q, conf = bs.sample(self.offset, n_draft, sampler)
         d.seq_rm(seq_id, pos0, -1)
         return Proposal(tokens, conf, q)
 

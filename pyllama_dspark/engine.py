@@ -208,7 +208,11 @@ class SpecDecoder:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
-        smp = None if sampling is None or sampling.is_greedy else TokenSampler(sampling, toks.tolist())
+        smp = None
+        if sampling is not None and not sampling.is_greedy:
+            # like llama.cpp's --ignore-eos at T > 0: end-of-generation tokens get a -inf logit bias
+            banned = np.flatnonzero(self.target.eog_mask) if ignore_eos else None
+            smp = TokenSampler(sampling, toks.tolist(), banned=banned)
         return self._stream(toks, max_tokens, n_max, stop, ignore_eos, smp, reuse_prefix)
 
     def _memory_tokens(self) -> Optional[np.ndarray]:

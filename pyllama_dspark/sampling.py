@@ -209,10 +209,13 @@ class Dist:
         return int(self.ids[min(j, self.ids.size - 1)])
 
 
-def chain_dist(logits: np.ndarray, params: SamplingParams, window: Optional[np.ndarray] = None) -> Dist:
+def chain_dist(logits: np.ndarray, params: SamplingParams, window: Optional[np.ndarray] = None,
+               banned: Optional[np.ndarray] = None) -> Dist:
     """The distribution llama.cpp's chain samples from for this logits row, as a sparse Dist.
 
     ``window``: the token ids the penalties look at (already cut to the last ``penalty_last_n``).
+    ``banned``: token ids that can never be drawn (llama.cpp's -inf logit bias, applied first;
+    ``--ignore-eos`` bans the end-of-generation tokens this way).
     """
     if params.is_greedy:
         raise ValueError("the sampler chain needs temperature > 0 (temperature <= 0 is the greedy path)")
@@ -221,6 +224,9 @@ def chain_dist(logits: np.ndarray, params: SamplingParams, window: Optional[np.n
         raise ValueError(f"logits must be a non-empty 1-D row, got shape {x.shape}")
     if x.dtype != np.float32:
         x = x.astype(np.float32)
+    if banned is not None and len(banned):
+        x = np.array(x, dtype=np.float32, copy=True)
+        x[banned] = -np.inf
     if params.has_penalties and window is not None and len(window):
         x = apply_penalties(x, np.asarray(window, dtype=np.int64), params)
     n = x.size
@@ -279,7 +285,7 @@ def sample_from(probs, u: float) -> int:
 class TokenSampler:
     """Sampler state for one generation: parameters, a seeded RNG and the penalty history."""
 
-    def __init__(self, params: SamplingParams, history: Iterable[int] = ()):
+    def __init__(self, params: SamplingParams, history: Iterable[int] = (), banned: Optional[Sequence[int]] = None):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
         if params.is_greedy:
@@ -288,6 +294,7 @@ class TokenSampler:
         self.seed = resolve_seed(params.seed)
         self.rng = np.random.default_rng(self.seed)
         self.history: list = list(history) if params.has_penalties else []
+        self.banned = None if banned is None or not len(banned) else np.unique(np.asarray(banned, dtype=np.int64))
 
     def window(self, extra: Sequence[int] = ()) -> Optional[np.ndarray]:
         """The last penalty_last_n tokens of history + extra (None when penalties are off)."""
@@ -299,7 +306,7 @@ class TokenSampler:
 
     def probs(self, logits: np.ndarray, extra: Sequence[int] = ()) -> Dist:
         """Chain distribution of a logits row, the sequence being history + ``extra``."""
-        return chain_dist(logits, self.params, self.window(extra))
+        return chain_dist(logits, self.params, self.window(extra), self.banned)
 
     def sample(self, probs) -> int:
         return sample_from(probs, self.rng.random())

@@ -102,3 +102,10 @@ def test_chain_refuses_greedy_and_garbage():
         chain_probs(np.full(4, -np.inf, dtype=np.float32), SamplingParams(top_k=0, top_p=1.0, min_p=0.0))
     with pytest.raises(TypeError):
         TokenSampler({"temperature": 1.0})
+
+
+def test_banned_tokens_are_never_kept(rows):
+    history, row = rows[0]
+    top = np.argsort(row)[-3:]
+    d = np.asarray(TokenSampler(SamplingParams(seed=0), history, banned=top).probs(row))
+    assert d[top].sum() == 0.0 and abs(d.sum() - 1.0) < 1e-12

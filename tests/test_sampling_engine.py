@@ -98,3 +98,12 @@ def test_cli_sampling_flags(target_path):
     assert "seed" not in greedy["stats"]
     bad = CliRunner().invoke(main, ["run", "-m", target_path, "-p", "x", "--min-p", "-1"])
     assert bad.exit_code == 2 and "min_p" in bad.output
+
+
+def test_ignore_eos_bans_end_of_generation_at_t_gt_0(sp):
+    # a prompt whose answer ends quickly: with ignore_eos no EOG token is ever drawn (llama.cpp
+    # turns --ignore-eos into a -inf logit bias on them), and the generation runs to max_tokens
+    hot = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1)
+    d = sp.generate("What is 2+2? Answer with just the number.", 24, chat=True, sampling=hot, ignore_eos=True)
+    assert d.finish_reason == "length" and len(d.tokens) == 24
+    assert not any(sp.target.is_eog(t) for t in d.tokens)
