@@ -105,6 +105,8 @@ class BatchDecoder:
         while self._queue and self._free:
             s = self._queue.popleft()
             s.seq_id = self._free.pop()
+            if hasattr(self.prop, "bind"):  # per-sequence proposers (e.g. one oracle per prompt)
+                self.prop.bind(s.seq_id, s.prompt)
             self._prefill(s)
             if s.finish is None:
                 self._active.append(s)

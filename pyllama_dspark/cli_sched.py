@@ -197,3 +197,132 @@ def make_policy(sp, schedule: Optional[str], conf_min: Optional[float], p_surviv
             cost = costprofile.load_or_measure(sp).cost_model()
     return VerifyPolicy(mode=schedule, conf_min=conf_min or 0.0, p_survival_min=p_survival_min or 0.0,
                         cost=cost, temperatures=temps, gamma=gamma)
+
+
+# ---- bench-schedule ------------------------------------------------------------------------------
+
+class _OracleSet:
+    """One OracleProposer per prompt, bound to whichever sequence slot decodes that prompt."""
+
+    name = "oracle"
+
+    def __init__(self, prompts, refs, n_vocab, p_error, seed=0):
+        from .oracle import OracleProposer
+
+        self._by_prompt = {tuple(p): OracleProposer(list(p) + list(r), n_vocab, p_error=p_error, seed=seed + i)
+                           for i, (p, r) in enumerate(zip(prompts, refs))}
+        self._by_seq = {}
+
+    def bind(self, seq_id, prompt):
+        self._by_seq[seq_id] = self._by_prompt[tuple(int(t) for t in prompt)]
+
+    def max_draft(self):
+        return 7
+
+    def reset(self, seq_id=0):
+        pass
+
+    def observe(self, row0, n, pos0, seq_id=0):
+        pass
+
+    def rollback(self, p0, seq_id=0):
+        pass
+
+    def propose(self, anchor, pos0, n_draft, seq_id=0):
+        return self._by_seq[seq_id].propose(anchor, pos0, n_draft, seq_id)
+
+    def close(self):
+        pass
+
+
+@click.command("bench-schedule")
+@common
+@click.option("--prompts", "prompt_paths", multiple=True, type=click.Path(exists=True))
+@click.option("--limit", type=int, default=1, show_default=True, help="Prompts per file.")
+@click.option("-n", "--n-predict", type=int, default=48, show_default=True)
+@click.option("--requests", "rs", default="1,4", show_default=True, help="Concurrent sequences R to test.")
+@click.option("--accuracies", default="0.9,0.6,0.3", show_default=True,
+              help="Oracle-ish proposer: probability that a block has no planted error.")
+@click.option("--conf-min", type=float, default=0.5, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit, n_predict, rs, accuracies,
+                       conf_min, as_json):
+    """tok/s of no draft, fixed-length DSpark, static conf_min and the profiled scheduler, interleaved."""
+    from tabulate import tabulate
+    from tqdm import tqdm
+
+    from . import costprofile
+    from .api import Speculator
+    from .batch import BatchDecoder
+    from .chat import build_chat_prompt
+    from .models import open_models
+    from .policy import VerifyPolicy
+    from .prompts import load_prompts
+
+    target_p = _target_path(model)
+    draft_p = _draft_path(draft or "random", target_p)
+    r_list = [int(x) for x in rs.split(",") if x.strip()]
+    accs = [float(x) for x in accuracies.split(",") if x.strip()]
+    items = load_prompts(prompt_paths, limit_per_file=limit)
+    # the cost curve of this machine (cached), from a single-sequence context
+    with Speculator(target_p, draft_p, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn) as sp:
+        prof = costprofile.load_or_measure(sp)
+        prompts = [build_chat_prompt(sp.target, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
+        refs = [sp.generate(p, n_predict, ignore_eos=False).tokens for p in prompts]
+    cost = prof.cost_model()
+    click.echo(prof.table(), err=True)
+    sources = [("random draft", None)] + [(f"oracle acc {a:.1f}", a) for a in accs]
+    configs = [("no draft", "none"), ("fixed", "off"), (f"static {conf_min}", "static"), ("profiled", "profiled")]
+    rows = []
+    for R in r_list:
+        t, d, _ = open_models(target_p, draft_p, _settings(n_ctx, threads, flash_attn, R))
+        with t:
+            n_vocab = t.n_vocab
+            results = {(s, c): [] for s, _ in sources for c, _ in configs}
+            runs = [(s, acc, c, mode) for s, acc in sources for c, mode in configs]
+            bar = tqdm(total=len(runs) * len(prompts), desc=f"R={R}", leave=False)
+            for i in range(len(prompts)):
+                # R copies of prompt i (and its neighbours) decoded together; rotate config order
+                batch_idx = [(i + j) % len(prompts) for j in range(R)]
+                bp = [prompts[j] for j in batch_idx]
+                br = [refs[j] for j in batch_idx]
+                rot = runs[i % len(runs):] + runs[:i % len(runs)]
+                for s, acc, c, mode in rot:
+                    if mode == "none":
+                        prop = None
+                    elif acc is None:
+                        prop = d
+                    else:
+                        prop = _OracleSet(bp, br, n_vocab, 1.0 - acc, seed=i)
+                    policy = VerifyPolicy(mode="off" if mode == "none" else mode, conf_min=conf_min, cost=cost)
+                    bd = BatchDecoder(t, prop, n_max=7, policy=policy)
+                    t0 = time.perf_counter()
+                    done = bd.run(bp, [len(r) for r in br])
+                    dt = time.perf_counter() - t0
+                    assert all(dn.tokens == r for dn, r in zip(done, br)), "lossless check failed"
+                    ntok = sum(len(dn.tokens) for dn in done)
+                    acc_n = sum(dn.stats.accepted for dn in done)
+                    cyc = sum(dn.stats.cycles for dn in done)
+                    results[(s, c)].append((ntok / dt, (acc_n + cyc) / max(cyc, 1)))
+                    bar.update(1)
+            bar.close()
+        for s, _ in sources:
+            base = statistics.median(x[0] for x in results[(s, "no draft")])
+            for c, _ in configs:
+                tps = statistics.median(x[0] for x in results[(s, c)])
+                tau = statistics.median(x[1] for x in results[(s, c)])
+                rows.append(dict(R=R, proposer=s, config=c, tok_s=round(tps, 2), vs_no_draft=round(tps / base, 3),
+                                 tau=round(tau, 2)))
+    if as_json:
+        click.echo(json.dumps(rows))
+    else:
+        click.echo(tabulate([[r["R"], r["proposer"], r["config"], r["tok_s"], f"{r['vs_no_draft']:.3f}x", r["tau"]]
+                             for r in rows], headers=["R", "proposer", "config", "tok/s", "vs no draft", "tau"]))
+
+
+_register_base = register
+
+
+def register(main: click.Group) -> None:  # noqa: F811 - extends the earlier registration
+    _register_base(main)
+    main.add_command(bench_schedule_cmd)
