@@ -119,3 +119,31 @@ def test_sts_recovers_overconfidence():
     assert all(r["ece_sts"] < 0.02 for r in rep)
     assert all(0.6 < r["auc"] < 0.9 for r in rep)
     np.testing.assert_array_equal(joint_labels(np.array([0, 2]), 3), [[0, 0, 0], [1, 1, 0]])
+
+
+def test_calibration_file_is_bound_to_the_draft(tmp_path):
+    from pyllama_dspark.calibration import fit, load_calibration, reliability_png
+    from pyllama_dspark.errors import DSparkError
+
+    rng = np.random.default_rng(1)
+    recs = []
+    for _ in range(3000):
+        c = rng.uniform(0.2, 0.99, size=7)
+        true = apply_sts(c[None, :], [2.0] * 7)[0]          # the raw head is under-confident here
+        acc = rng.random(7) < true
+        n_acc = 7 if acc.all() else int(np.argmin(acc))
+        recs.append((c, 7, n_acc))
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(b"GGUF fake draft bytes")
+    cal = fit(recs[::2], recs[1::2], 7, str(draft))
+    assert all(r["ece_sts"] <= r["ece_raw"] + 1e-9 for r in cal.report)
+    assert cal.report[0]["ece_sts"] < 0.03 < cal.report[0]["ece_raw"]
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert load_calibration(path, str(draft)).temperatures == cal.temperatures
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF another draft")
+    with pytest.raises(DSparkError, match="another draft"):
+        load_calibration(path, str(other))
+    reliability_png(recs[1::2], cal.temperatures, 7, tmp_path / "rel.png")
+    assert (tmp_path / "rel.png").stat().st_size > 1000
