@@ -223,11 +223,12 @@ class SpecDecoder:
         _, toks, out, pos0 = st
         return np.concatenate([toks, np.asarray(out[:pos0 - toks.size], dtype=np.int32)])
 
-    def _prefill(self, toks: np.ndarray, reuse: bool) -> np.ndarray:
-        """Brings the memories to exactly toks; returns the logits row after the last prompt token
-        (a view, or the copy kept from an earlier stream of the same prompt)."""
+    def _prefill_reusing(self, toks: np.ndarray) -> np.ndarray:
+        """Brings the memories to exactly toks, decoding only what they do not hold yet; returns
+        the logits row after the last prompt token (a view, or the copy kept from an earlier
+        stream of the same prompt)."""
         tgt, prop, seq = self.target, self.proposer, self.seq_id
-        mem = self._memory_tokens() if reuse else None
+        mem = self._memory_tokens()
         self._mem_state = None
         start = 0
         if mem is not None:
@@ -252,8 +253,7 @@ class SpecDecoder:
             tgt.decode(chunk, c0, seq, all_outputs=False)
             prop.observe(0, len(chunk), c0, seq)
         row = tgt.logits_view(len(chunk) - 1)
-        if reuse:
-            self._prompt_row = (toks.copy(), row.copy())
+        self._prompt_row = (toks.copy(), row.copy())
         return row
 
     def _stream(self, toks: np.ndarray, max_tokens: int, n_max: int, stop: Sequence[str], ignore_eos: bool,
@@ -280,7 +280,7 @@ class SpecDecoder:
             else:
                 anchor = smp.sample(smp.probs(tgt.logits_view(len(chunk) - 1)))
         else:
-            row = self._prefill(toks, True)
+            row = self._prefill_reusing(toks)
             anchor = int(np.argmax(row)) if smp is None else smp.sample(smp.probs(row))
         if smp is not None:
             smp.accept((anchor,))
