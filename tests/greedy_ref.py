@@ -34,7 +34,8 @@ def top2_margin(llm, prefix: Sequence[int]) -> float:
     """Gap between the best and second-best logit of the target after ``prefix``."""
     llm.reset()
     llm.eval(list(prefix))
-    row = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)  # Llama.scores is empty without logits_all
+    row = np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(np.float64)
     top = np.sort(row)[-2:]
     return float(top[1] - top[0])
 
