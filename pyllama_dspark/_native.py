@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from ctypes import POINTER, c_char_p, c_float, c_int8, c_int32, c_void_p
 from pathlib import Path
 
@@ -46,14 +47,21 @@ class DraftMeta(ctypes.Structure):
     ]
 
 
+_SHIM_NAMES = ("libdspark_shim.so", "libdspark_shim.dylib", "dspark_shim.dll")
+
+
 def _shim_path() -> Path:
+    """The built shim: $PYLLAMA_DSPARK_SHIM, next to this module, or in an installed copy of the
+    package further down sys.path (a source checkout imported from its root has no build of its own)."""
     override = os.environ.get("PYLLAMA_DSPARK_SHIM")
     if override:
         return Path(override)
     here = Path(__file__).resolve().parent
-    for name in ("libdspark_shim.so", "libdspark_shim.dylib", "dspark_shim.dll"):
-        if (here / name).exists():
-            return here / name
+    dirs = [here] + [Path(p) / "pyllama_dspark" for p in sys.path if p]
+    for d in dirs:
+        for name in _SHIM_NAMES:
+            if (d / name).is_file():
+                return d / name
     raise NativeError(
         f"the native shim is not installed next to {here} (pip install . builds it); "
         "set PYLLAMA_DSPARK_SHIM to a built libdspark_shim.so to override"
