@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Optional
 
+from .timings import llama_timings
 from .engine import Stats
 
 
@@ -28,31 +29,9 @@ def now() -> int:
     return int(time.time())
 
 
-def _rate(n: int, ms: float) -> float:
-    return n / (ms / 1e3) if ms > 0 else 0.0
-
-
-def _per_token(n: int, ms: float) -> float:
-    return ms / n if n > 0 else 0.0
-
-
 def timings(stats: Stats) -> dict:
-    """llama-server's ``timings`` object from the engine's Stats."""
-    pn, pms = int(stats.n_prompt), float(stats.ms_prefill)
-    gn, gms = int(stats.n_generated), float(stats.ms_total)
-    return {
-        "cache_n": 0,
-        "prompt_n": pn,
-        "prompt_ms": pms,
-        "prompt_per_token_ms": _per_token(pn, pms),
-        "prompt_per_second": _rate(pn, pms),
-        "predicted_n": gn,
-        "predicted_ms": gms,
-        "predicted_per_token_ms": _per_token(gn, gms),
-        "predicted_per_second": _rate(gn, gms),
-        "draft_n": int(stats.drafted),
-        "draft_n_accepted": int(stats.accepted),
-    }
+    """llama-server's ``timings`` object from the engine's Stats (``cache_n`` as llama-server has it)."""
+    return {"cache_n": 0, **llama_timings(stats)}
 
 
 def usage(n_prompt: int, n_completion: int) -> dict:
