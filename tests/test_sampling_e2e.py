@@ -84,6 +84,22 @@ class Reference:
                 self.joint[(int(t1), int(t2))] = self.p1[t1] * p2[t2]
 
 
+class Recorder:
+    """Wraps a proposer and keeps the drafts of its last T > 0 proposal."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.last = None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose_sampled(self, *args, **kw):
+        prop = self.inner.propose_sampled(*args, **kw)
+        self.last = [int(t) for t in prop.tokens]
+        return prop
+
+
 def first_two(sp, prompt, params, seed):
     it = sp.stream(prompt, 3, sampling=params.with_seed(seed), reuse_prefix=True)
     got = []
@@ -133,12 +149,19 @@ def refs(target_path):
 
 
 def _run_case(sp, kind, pname, pi, refs, seed0, n):
+    """n samples of (t1, t2), and how often t2 was the accepted draft (else: resampled)."""
     prompt, ref = refs[(pname, pi)]
     if kind == "oracle":
         table = {(len(prompt), t1): row for t1, row in ref.rows.items()}
         sp.decoder.proposer = TableOracleProposer(table, block_size=1, skew=1.6, junk=0.1, junk_ids=(11, 12, 13))
-    samples = [first_two(sp, prompt, PARAMS[pname], seed0 + i) for i in range(n)]
-    return samples, ref
+    rec = sp.decoder.proposer = Recorder(sp.decoder.proposer)
+    samples, accepted = [], 0
+    for i in range(n):
+        rec.last = None
+        samples.append(first_two(sp, prompt, PARAMS[pname], seed0 + i))
+        assert rec.last is not None and len(rec.last) == 1, "the second token did not come from a speculative cycle"
+        accepted += samples[-1][1] == rec.last[0]
+    return samples, ref, accepted / n
 
 
 def test_first_two_tokens_match_plain_sampling(target_path, dspark_draft_path, refs):
@@ -147,21 +170,23 @@ def test_first_two_tokens_match_plain_sampling(target_path, dspark_draft_path, r
         draft_proposer = sp.decoder.proposer
         for c, (kind, pname, pi) in enumerate(CASES):
             sp.decoder.proposer = draft_proposer
-            samples, ref = _run_case(sp, kind, pname, pi, refs, 1000 * c, N_PER_CASE)
+            samples, ref, acc = _run_case(sp, kind, pname, pi, refs, 1000 * c, N_PER_CASE)
             stat, dof, tv, outside = chi2_test(samples, ref.joint)
-            # the speculative cycle really ran: the second token was verified, not plainly sampled
-            results.append((kind, pname, pi, stat, dof, tv, outside, chi2_sf(stat, dof)))
+            results.append((kind, pname, pi, stat, dof, tv, outside, chi2_sf(stat, dof), acc))
         sp.decoder.proposer = draft_proposer
     total = sum(r[3] for r in results), sum(r[4] for r in results)
     p_all = chi2_sf(*total)
-    lines = [f"{k:6s} {pn:9s} prompt {pi}: chi2 {st:7.1f} dof {d:3d} p {p:.3g} TV {tv:.4f} outside {o}"
-             for k, pn, pi, st, d, tv, o, p in results]
+    lines = [f"{k:6s} {pn:9s} prompt {pi}: chi2 {st:7.1f} dof {d:3d} p {p:.3g} TV {tv:.4f} outside {o} "
+             f"accepted {a:.1%}" for k, pn, pi, st, d, tv, o, p, a in results]
     report = (f"\n{len(CASES)} cases x {N_PER_CASE} samples = {len(CASES) * N_PER_CASE}; combined chi2 "
               f"{total[0]:.1f} dof {total[1]} p = {p_all:.4f}\n" + "\n".join(lines))
     print(report)
     assert all(r[6] == 0 for r in results), "a pair the target can never emit was emitted" + report
     assert p_all > 1e-3, report
     assert all(r[7] > 1e-4 for r in results), report
+    # both paths of the rule were exercised: the oracle's drafts are mostly but not always accepted
+    oracle_acc = [r[8] for r in results if r[0] == "oracle"]
+    assert all(0.3 < a < 0.98 for a in oracle_acc), report
 
 
 class _LyingOracle(TableOracleProposer):
@@ -183,10 +208,10 @@ def test_negative_control_wrong_q_is_detected(target_path, refs):
     pname, pi = "plain", 0
     prompt, ref = refs[(pname, pi)]
     table = {(len(prompt), t1): row for t1, row in ref.rows.items()}
-    with Speculator(target_path, n_threads=THREADS, n_ctx=512) as sp:
+    with Speculator(target_path, n_threads=THREADS, n_ctx=512, n_max=1) as sp:
         sp.decoder.proposer = _LyingOracle(table, block_size=1, skew=3.0, junk=0.3, junk_ids=(11, 12, 13))
-        samples = [first_two(sp, prompt, PARAMS[pname], 7 + i) for i in range(1500)]
+        samples = [first_two(sp, prompt, PARAMS[pname], 7 + i) for i in range(800)]
     stat, dof, tv, outside = chi2_test(samples, ref.joint)
     p = chi2_sf(stat, dof)
-    print(f"\nnegative control: 1500 samples, chi2 {stat:.1f} dof {dof} p {p:.3g} TV {tv:.4f} outside {outside}")
+    print(f"\nnegative control: 800 samples, chi2 {stat:.1f} dof {dof} p {p:.3g} TV {tv:.4f} outside {outside}")
     assert p < 1e-6 or outside > 0
