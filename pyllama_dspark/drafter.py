@@ -137,7 +137,9 @@ class DraftModelProposer(Proposer):
             markov = conf = d2t = None
             if m.has_markov:
                 s = d.settings
-                markov = MarkovHead(d.path, use_gpu=s.n_gpu_layers > 0, n_threads=s.n_threads or 0)
+                # one thread: a [rank x n_vocab] product per call is too small to gain from a pool,
+                # and a pool on a busy machine costs far more than it saves
+                markov = MarkovHead(d.path, use_gpu=s.n_gpu_layers > 0, n_threads=1)
                 self._markov = markov
                 if m.has_confidence:
                     conf = read_conf_head(d.path, d.n_embd, markov.rank)
