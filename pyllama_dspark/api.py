@@ -16,7 +16,7 @@ from typing import Iterator, List, Optional, Sequence, Union
 from .chat import build_chat_prompt
 from .drafter import DraftModelProposer, NoDraft, Proposer
 from .engine import Chunk, Done, SpecDecoder
-from .gguf_info import read_draft_info, read_target_info, validate_pair
+from .models import open_models
 from .handles import ContextSettings, Draft, Owned, Target
 from .sampling import SamplingParams
 
@@ -38,21 +38,10 @@ class Speculator(Owned):
                                         flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, verbose=verbose)
         self.settings.validate()
         self.n_max = int(n_max)
-        self.warnings: List[str] = []
-        self.draft: Optional[Draft] = None
-        capture: Sequence[int] = ()
-        allow_last = False
-        if draft_path is not None:
-            # validate the pairing from the files before llama.cpp sees them (it aborts on mismatches)
-            dinfo = read_draft_info(draft_path)
-            tinfo = read_target_info(target_path)
-            self.warnings = list(validate_pair(dinfo, tinfo) or [])
-            capture = dinfo.target_layer_ids
-            allow_last = bool(tinfo.accepts_final_layer_id)
-        self.target = Target(target_path, self.settings, capture_layers=capture, allow_last_layer=allow_last)
+        # validates the pairing from the files before llama.cpp sees them (it aborts on mismatches)
+        self.target, self.draft, self.warnings = open_models(target_path, draft_path, self.settings)
         try:
-            if draft_path is not None:
-                self.draft = Draft(draft_path, self.target, self.settings)
+            if self.draft is not None:
                 self.proposer: Proposer = proposer or DraftModelProposer(self.draft)
             else:
                 self.proposer = proposer or NoDraft()
