@@ -195,6 +195,8 @@ def _encode(arr: np.ndarray, kind: str):
     if kind == "bf16":
         return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32),
                                     gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+    if kind == "i64":
+        return np.ascontiguousarray(arr, dtype=np.int64), None
     if kind == "q8_0":
         return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32),
                                     gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
@@ -217,6 +219,7 @@ def make_test_draft(
     seed: int = 0,
     fc_type: str = "f32",
     overrides: Optional[Dict[str, Any]] = None,
+    weights: Optional[Dict[str, Tuple[np.ndarray, str]]] = None,
 ) -> str:
     """Write a random-weight draft GGUF (arch ``dflash``) matched to the target GGUF.
 
@@ -250,6 +253,11 @@ def make_test_draft(
     (``None`` deletes the key, e.g. ``{"dflash.block_size": None}``; an existing key keeps its GGUF
     type when the value fits it); the pseudo-keys in :data:`DRAFT_OVERRIDE_KEYS` change the
     structure (``"@n_embd"``, ``"@n_vocab"``, ``"@perturb_token"``, ``"@drop_tensors"``, ...).
+
+    ``weights`` maps tensor names to ``(array, encoding)`` (numpy shapes as above; encoding
+    ``"f32" | "f16" | "bf16" | "q8_0" | "i64"``): those tensors replace the random ones or are added
+    (``d2t``, ``output.weight`` of a reduced-vocabulary draft) -- this is how a trained draft is
+    exported (:mod:`pyllama_dspark.training.export`).
 
     Returns ``out_path`` (as a str).  The file is written to a temporary name and renamed.
     """
@@ -413,6 +421,8 @@ def make_test_draft(
         if confidence:
             put("conf_proj.weight", _gauss(rng, (1, n_embd + r), n_embd + r))
             put("conf_proj.bias", np.full((1,), 0.25, dtype=np.float32))
+    for name, (arr, enc) in (weights or {}).items():
+        put(name, arr, enc)
     for name in pseudo.get("@drop_tensors", ()) or ():
         tensors.pop(name, None)
 
