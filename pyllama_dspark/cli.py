@@ -221,6 +221,9 @@ main.add_command(_bench)
 from .cmd_crosscheck import crosscheck as _crosscheck  # noqa: E402
 
 main.add_command(_crosscheck)
+from .cmd_train import train_cmd as _train  # noqa: E402
+
+main.add_command(_train)
 
 
 if __name__ == "__main__":  # pragma: no cover

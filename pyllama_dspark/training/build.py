@@ -61,5 +61,5 @@ def build_model(target_path: str, spec, d2t: np.ndarray, train_head: bool = Fals
                 for ours, theirs in (("gate", "ffn_gate"), ("up", "ffn_up"), ("down", "ffn_down"),
                                      ("ffn_norm", "ffn_norm")):
                     w = target_tensor(target_path, f"blk.{il}.{theirs}.weight")
-                    getattr(L, ours).copy_(torch.from_numpy(w))
+                    getattr(L, ours).copy_(torch.from_numpy(np.array(w)))
     return model

@@ -131,8 +131,10 @@ def block_losses(model: DSparkDraft, b: dict, cfg: TrainConfig, use_markov: bool
     with torch.no_grad():
         pred = model.d2t[u.argmax(-1)]
         match = (pred == b["target_label"]) & valid
-    return loss, dict(ce=float((w * ce).sum() / wsum), tv=float((w * tv).sum() / wsum),
-                      bce=float((w * bce).sum() / wsum)), match, valid, c.detach()
+    with torch.no_grad():
+        parts = dict(ce=float((w * ce).sum() / wsum), tv=float((w * tv).sum() / wsum),
+                     bce=float((w * bce).sum() / wsum))
+    return loss, parts, match, valid, c.detach()
 
 
 def tau_from_matches(match: torch.Tensor, valid: torch.Tensor) -> float:

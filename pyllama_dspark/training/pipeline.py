@@ -1,0 +1,159 @@
+"""``pyllama-dspark train``: instructions → target responses + features → training → GGUF.
+
+Everything lives in one work directory, and every stage resumes from what is there:
+
+* ``instructions.jsonl`` (+ ``data_card.json``: sources and counts) -- rebuilt identically from
+  the seed, checked against the benchmark prompts when they are found;
+* ``data/`` -- shards written by :mod:`.datagen` (resumes per instruction);
+* ``vocab.npy`` -- the reduced draft vocabulary (``d2t``), fixed once chosen;
+* ``train/`` -- ``ckpt.pt`` (resumes at its step) and ``train_log.jsonl``;
+* the output GGUF.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from .datagen import GenConfig
+from .instructions import SOURCES, build_instructions
+from .trainer import TrainConfig
+
+__all__ = ["PipelineConfig", "run_pipeline", "benchmark_texts", "split_indices"]
+
+
+@dataclass
+class PipelineConfig:
+    n_prompts: int = 1600
+    seed: int = 1
+    vocab_size: int = 8192
+    n_layers: int = 1
+    markov_rank: int = 32
+    block_size: int = 7
+    weights_type: str = "f16"
+    train_head: bool = False
+    eval_every_nth: int = 30
+    gen: GenConfig = field(default_factory=GenConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def benchmark_texts(prompt_dir: Optional[Path]) -> List[str]:
+    """Every turn of every benchmark prompt file (to keep them out of the training set)."""
+    out: List[str] = []
+    if prompt_dir is None:
+        return out
+    for f in sorted(Path(prompt_dir).glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                out += [str(t) for t in json.loads(line).get("turns", [])]
+    return out
+
+
+def split_indices(n: int, every: int) -> tuple:
+    ev = [i for i in range(n) if every and i % every == 0]
+    s = set(ev)
+    return [i for i in range(n) if i not in s], ev
+
+
+def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: PipelineConfig,
+                 stages: Sequence[str] = ("data", "train", "export"), echo: Callable[[str], None] = print,
+                 prompt_dir: Optional[Path] = None) -> dict:
+    from ..gguf_info import read_target_info
+    from ..testing import default_target_layers
+
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {}
+    bench = benchmark_texts(prompt_dir)
+    instructions = build_instructions(cfg.n_prompts, seed=cfg.seed, exclude=bench)
+    with open(work / "instructions.jsonl", "w") as f:
+        for i, ins in enumerate(instructions):
+            f.write(json.dumps({"id": i, "source": ins.source, "messages": ins.messages,
+                                "followup": ins.followup}) + "\n")
+    counts = {}
+    for ins in instructions:
+        counts[ins.source] = counts.get(ins.source, 0) + 1
+    card = {"sources": SOURCES, "counts": counts, "n": len(instructions),
+            "benchmark_turns_excluded": len(bench), "seed": cfg.seed}
+    (work / "data_card.json").write_text(json.dumps(card, indent=1))
+    ti = read_target_info(target_path)
+    layers = default_target_layers(ti.n_layer)
+
+    if "data" in stages:
+        from tqdm import tqdm
+
+        from .datagen import generate_dataset
+
+        bar = tqdm(desc="responses", unit="seq")
+
+        def prog(done, total):
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        st = generate_dataset(target_path, layers, instructions, work / "data", cfg.gen, progress=prog)
+        bar.close()
+        echo(f"data: {st}")
+        result["data"] = st
+
+    if "train" in stages or "export" in stages:
+        import torch
+
+        from .build import build_model, make_spec
+        from .datagen import load_records
+        from .trainer import Batcher, select_vocab, train
+
+        recs = load_records(work / "data")
+        if not recs:
+            raise RuntimeError(f"no training data in {work / 'data'}: run the data stage first")
+        vpath = work / "vocab.npy"
+        if vpath.exists():
+            d2t = np.load(vpath)
+        else:
+            from ..handles import ContextSettings, Target
+
+            with Target(target_path, ContextSettings(n_ctx=64)) as t:
+                eog = np.nonzero(t.eog_mask)[0].tolist()
+            d2t = select_vocab(recs, cfg.vocab_size, always=eog)
+            np.save(vpath, d2t)
+        n_resp = sum(len(r.tokens) - r.n_prompt for r in recs)
+        covered = np.isin(np.concatenate([r.tokens[r.n_prompt:] for r in recs]), d2t).mean()
+        echo(f"data: {len(recs)} sequences, {n_resp} response tokens, draft vocabulary {len(d2t)} "
+             f"(covers {covered:.4f} of response tokens)")
+        spec = make_spec(target_path, n_layers=cfg.n_layers, block_size=cfg.block_size,
+                         markov_rank=cfg.markov_rank, target_layers=layers)
+        model = build_model(target_path, spec, d2t, train_head=cfg.train_head, seed=cfg.seed)
+        batcher = Batcher(recs, spec.block_size, model.t2d.numpy(), pad_token=int(d2t[0]))
+        tr_idx, ev_idx = split_indices(len(recs), cfg.eval_every_nth)
+        (work / "train").mkdir(exist_ok=True)
+        if "train" in stages:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.train.steps, desc="train", unit="step")
+
+            def log(rec):
+                bar.n = rec["step"]
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau_train']:.2f}")
+                if "tau_eval" in rec:
+                    bar.write(f"step {rec['step']}: eval tau {rec['tau_eval']:.3f} slot acc {rec['slot_acc_eval']}")
+
+            result["train"] = train(model, batcher, tr_idx, ev_idx, cfg.train, work / "train", log=log)
+            bar.close()
+        else:
+            ck = work / "train" / "ckpt.pt"
+            if not ck.exists():
+                raise RuntimeError(f"no checkpoint at {ck}: run the train stage first")
+            model.load_state_dict(torch.load(ck, weights_only=False)["model"])
+        if "export" in stages and out_path:
+            from .export import export_gguf
+
+            export_gguf(model, target_path, out_path, cfg.weights_type)
+            echo(f"wrote {out_path}")
+            result["out"] = str(out_path)
+    (work / "pipeline.json").write_text(json.dumps({"config": asdict(cfg), "result": result}, indent=1,
+                                                   default=str))
+    return result
