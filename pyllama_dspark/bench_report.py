@@ -95,17 +95,20 @@ def comparison_text(rows: List[dict], base: str, spec: str) -> str:
 
 
 def position_text(summary: Dict[str, Dict[str, dict]]) -> str:
-    width = max((len(s["overall"].get("accept_per_position") or []) for s in summary.values()), default=0)
+    """Per-position conditional acceptance, one row per configuration and category (+ overall)."""
+    width = max((len(c.get("accept_per_position") or []) for s in summary.values() for c in s.values()),
+                default=0)
     if width == 0:
         return ""
     rows = []
     for cfg, s in summary.items():
-        per = s["overall"].get("accept_per_position") or []
-        if not per:
-            continue
-        rows.append([cfg] + [("n/a" if x is None else f"{x:.3f}") for x in per] + [""] * (width - len(per)))
-    return tabulate(rows, headers=["config"] + [f"pos{k + 1}" for k in range(width)], tablefmt="simple",
-                    disable_numparse=True)
+        for cat, agg in s.items():
+            per = agg.get("accept_per_position") or []
+            if not per:
+                continue
+            rows.append([cfg, cat] + [("n/a" if x is None else f"{x:.3f}") for x in per] + [""] * (width - len(per)))
+    return tabulate(rows, headers=["config", "category"] + [f"pos{k + 1}" for k in range(width)],
+                    tablefmt="simple", disable_numparse=True)
 
 
 def lossless_mismatches(results: Sequence[RequestResult]) -> List[str]:
@@ -139,7 +142,7 @@ def report_text(results: Sequence[RequestResult], greedy: bool = True) -> str:
                                              "accept_rate", "tau"], tablefmt="simple", disable_numparse=True))
     pos = position_text(summary)
     if pos:
-        parts.append("per-position conditional acceptance (overall):\n" + pos)
+        parts.append("per-position conditional acceptance:\n" + pos)
     if greedy:
         bad = lossless_mismatches(results)
         if bad:
@@ -162,7 +165,8 @@ def report_json(results: Sequence[RequestResult], config: Optional[dict] = None)
 
 
 def plot_positions(results: Sequence[RequestResult], path: str, title: str = "") -> str:
-    """PNG of the per-position conditional acceptance (overall) of each speculative configuration."""
+    """PNG of the per-position conditional acceptance of each speculative configuration: one panel per
+    category and one for all requests."""
     try:
         import matplotlib
     except ImportError as e:  # optional dependency
@@ -172,23 +176,27 @@ def plot_positions(results: Sequence[RequestResult], path: str, title: str = "")
     from matplotlib.ticker import MaxNLocator
 
     summary = summary_table(results)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    n_lines = 0
-    for cfg, s in summary.items():
-        per = s["overall"].get("accept_per_position") or []
-        xs = [k + 1 for k, v in enumerate(per) if v is not None]
-        ys = [v for v in per if v is not None]
-        if xs:
-            ax.plot(xs, ys, marker="o", label=cfg)
-            n_lines += 1
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("block position k")
-    ax.set_ylabel("P(accept k | accepted < k)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title or "per-position conditional acceptance")
-    ax.grid(True, alpha=0.3)
-    if n_lines:
-        ax.legend()
+    cats = [c for c in next(iter(summary.values()), {}) if c != "overall"] + ["overall"] if summary else []
+    fig, axes = plt.subplots(1, max(1, len(cats)), figsize=(3.2 * max(1, len(cats)), 3.6), dpi=100,
+                             sharey=True, squeeze=False)
+    for ax, cat in zip(axes[0], cats):
+        n_lines = 0
+        for cfg, s in summary.items():
+            per = (s.get(cat) or {}).get("accept_per_position") or []
+            xs = [k + 1 for k, v in enumerate(per) if v is not None]
+            ys = [v for v in per if v is not None]
+            if xs:
+                ax.plot(xs, ys, marker="o", label=cfg)
+                n_lines += 1
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("block position k")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(cat)
+        ax.grid(True, alpha=0.3)
+        if n_lines:
+            ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("P(accept k | accepted < k)")
+    fig.suptitle(title or "per-position conditional acceptance")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -69,3 +69,35 @@ def test_oracle_is_lossless_with_partial_acceptance(cases, target_path):
     assert totals["accepted"] > totals["cycles"] * 2
     assert totals["accepted"] < totals["drafted"]
     assert not failures, "\n".join(failures)
+
+
+def test_shipped_trained_drafter_is_lossless_and_accepted(cases, target_path):
+    """The embedded SmolLM2 drafter: identical greedy output on every prompt, with real acceptance.
+
+    Regression guard (not the training target): tau >= 2.0 on the first prompt of each benchmark
+    file (5 dev prompts)."""
+    from pyllama_dspark.cli import default_draft
+
+    draft = default_draft()
+    assert draft is not None, "the package ships no default drafter"
+    cases, llm = cases
+    dev = {}
+    with Speculator(target_path, draft, n_threads=THREADS, n_max=7) as sp:
+        assert sp.draft.meta.kind == "dspark" and sp.draft.meta.has_confidence
+        failures, totals = [], {"drafted": 0, "accepted": 0, "cycles": 0, "near_ties": 0}
+        for name, prompt, ref in cases:
+            done = sp.generate(prompt, N_TOKENS)
+            for k in totals:
+                totals[k] += getattr(done.stats, k)
+            src = name.split("#")[0]
+            if src not in dev:
+                dev[src] = (done.stats.accepted + done.stats.cycles) / max(1, done.stats.cycles)
+            if done.tokens != ref:
+                failures.append(f"{name}: " + explain_mismatch(llm, prompt, done.tokens, ref, TIE_EPS))
+    tau_all = (totals["accepted"] + totals["cycles"]) / max(1, totals["cycles"])
+    tau_dev = sum(dev.values()) / len(dev)
+    print(f"\ntrained drafter: {len(cases)} prompts x {N_TOKENS} tokens, {totals}, tau {tau_all:.3f}; "
+          f"dev tau {tau_dev:.3f} {dev}")
+    assert not failures, "\n".join(failures)
+    assert len(dev) == 5
+    assert tau_dev >= 2.0, dev
