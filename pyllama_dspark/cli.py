@@ -140,6 +140,9 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
                     click.echo(f"warning: {w}", err=True)
                 policy = make_policy(sp, schedule, conf_min, p_survival_min, calibration, profile_path,
                                      gamma=n_max)
+                if policy is not None and temp > 0:
+                    sp.decoder.policy = policy    # scheduled speculative sampling, one sequence
+                    policy = None
                 if policy is not None:
                     done = _run_scheduled(sp, policy, prompt, n_predict, n_max, raw, temp, ignore_eos)
                     if not as_json:
@@ -170,8 +173,6 @@ def _run_scheduled(sp, policy, prompt, n_predict, n_max, raw, temp, ignore_eos):
     """A scheduled verification run (greedy): the batched decoder with one sequence."""
     from .batch import BatchDecoder
 
-    if temp != 0:
-        raise click.UsageError("confidence scheduling is implemented for greedy decoding (--temp 0) for now")
     if ignore_eos:
         raise click.UsageError("--ignore-eos is not supported with a schedule")
     tokens, stop = sp._prompt(prompt, not raw, ())

@@ -167,11 +167,14 @@ class SpecDecoder:
     """Speculative decoding of one sequence on a Target with a pluggable Proposer."""
 
     def __init__(self, target: Target, proposer: Optional[Proposer] = None, *, seq_id: int = 0,
-                 tie_eps: float = 1e-3):
+                 tie_eps: float = 1e-3, policy=None):
         self.target = target
         self.proposer = proposer or NoDraft()
         self.seq_id = seq_id
         self.tie_eps = tie_eps
+        # a pyllama_dspark.policy.VerifyPolicy (None: verify every drafted token); its decisions use
+        # only the draft's own confidences and past cycles, so greedy and sampled output stay lossless
+        self.policy = policy
         cap = target.n_batch
         self._verify = np.zeros(cap, dtype=np.int32)
         self._ids = np.zeros(cap, dtype=np.int32)
@@ -314,13 +317,20 @@ class SpecDecoder:
             t1 = clock()
             drafts = self._ids[:0]
             q = None
-            if n_max > 0 and n_draft_max > 0:
+            pol = self.policy
+            if n_max > 0 and n_draft_max > 0 and (pol is None or pol.want_draft(1)):
                 if smp is None:
-                    drafts = prop.propose(anchor, pos0, n_max, seq).tokens[:n_draft_max]
+                    proposal = prop.propose(anchor, pos0, n_max, seq)
+                    drafts = proposal.tokens[:n_draft_max]
                 else:
                     proposal = _propose_sampled(prop, anchor, pos0, n_max, smp, seq)
                     drafts = np.asarray(proposal.tokens[:n_draft_max], dtype=np.int32)
                     q = proposal.probs
+                if pol is not None and pol.mode != "off" and len(drafts):
+                    ell = pol.lengths([proposal.confidence], [len(drafts)])[0]
+                    drafts = drafts[:ell]
+                    if q is not None:
+                        q = q[:ell]
             t2 = clock()
             k = len(drafts)
             v = self._verify[:k + 1]
@@ -344,6 +354,8 @@ class SpecDecoder:
                 stats.ms_sample += (t_acc - t3) * 1e3
                 t3 = t_acc
             stats.record(k, n_acc)
+            if pol is not None:
+                pol.update(k, n_acc)
             # like llama.cpp: the draft gets the features of every verify row, then both memories
             # drop the rejected positions
             prop.observe(0, k + 1, pos0, seq)

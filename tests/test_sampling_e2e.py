@@ -224,3 +224,39 @@ def test_negative_control_wrong_q_is_detected(target_path, refs):
     p = chi2_sf(stat, dof)
     print(f"\nnegative control: 800 samples, chi2 {stat:.1f} dof {dof} p {p:.3g} TV {tv:.4f} outside {outside}")
     assert p < 1e-6 or outside > 0
+
+
+def test_scheduled_sampling_first_two_tokens_match_plain_sampling(target_path, dspark_draft_path, refs):
+    """Confidence-scheduled verification at T > 0: a static cut at the random draft's median
+    confidence verifies the single draft on about half of the cycles and drops it on the others;
+    the law of (t1, t2) is unchanged."""
+    from pyllama_dspark.policy import VerifyPolicy
+
+    class Counting(VerifyPolicy):
+        def lengths(self, confs, n_drafted):
+            out = super().lengths(confs, n_drafted)
+            self.seen.append((float(confs[0][0]), out[0]))
+            return out
+
+    pname, pi = "plain", 1
+    prompt, ref = refs[(pname, pi)]
+    with Speculator(target_path, dspark_draft_path, n_threads=THREADS, n_max=1, n_ctx=512) as sp:
+        probe = Counting(mode="static", conf_min=0.0, gamma=1)
+        probe.seen = []
+        sp.decoder.policy = probe
+        for i in range(40):
+            first_two(sp, prompt, PARAMS[pname], 50000 + i)
+        cut = float(np.median([c for c, _ in probe.seen]))
+        pol = Counting(mode="static", conf_min=cut, gamma=1)
+        pol.seen = []
+        sp.decoder.policy = pol
+        samples = [first_two(sp, prompt, PARAMS[pname], 60000 + i) for i in range(N_DRAFT)]
+        sp.decoder.policy = None
+    verified = sum(ell for _, ell in pol.seen) / len(pol.seen)
+    stat, dof, tv, outside = chi2_test(samples, ref.joint)
+    p = chi2_sf(stat, dof)
+    print(f"\nscheduled (static conf_min {cut:.4f}): {len(samples)} samples, draft verified on {verified:.1%} "
+          f"of the cycles, chi2 {stat:.1f} dof {dof} p {p:.3g} TV {tv:.4f}")
+    assert 0.2 < verified < 0.8, "both paths (verify the draft / drop it) must occur"
+    assert outside == 0
+    assert p > 1e-3
