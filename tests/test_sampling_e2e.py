@@ -227,9 +227,9 @@ def test_negative_control_wrong_q_is_detected(target_path, refs):
 
 
 def test_scheduled_sampling_first_two_tokens_match_plain_sampling(target_path, dspark_draft_path, refs):
-    """Confidence-scheduled verification at T > 0: a static cut at the random draft's median
-    confidence verifies the single draft on about half of the cycles and drops it on the others;
-    the law of (t1, t2) is unchanged."""
+    """Confidence-scheduled verification at T > 0: a static cut on the random draft's confidence,
+    placed so that the single draft is verified on about half of the cycles and dropped on the
+    others (the confidence depends on t1), leaves the law of (t1, t2) unchanged."""
     from pyllama_dspark.policy import VerifyPolicy
 
     class Counting(VerifyPolicy):
@@ -244,9 +244,12 @@ def test_scheduled_sampling_first_two_tokens_match_plain_sampling(target_path, d
         probe = Counting(mode="static", conf_min=0.0, gamma=1)
         probe.seen = []
         sp.decoder.policy = probe
-        for i in range(40):
-            first_two(sp, prompt, PARAMS[pname], 50000 + i)
-        cut = float(np.median([c for c, _ in probe.seen]))
+        t1s = [first_two(sp, prompt, PARAMS[pname], 50000 + i)[0] for i in range(60)]
+        conf_of = dict(zip(t1s, (c for c, _ in probe.seen)))   # the first draft's confidence given t1
+        # the cut whose chance of verifying (under the law of t1) is closest to one half
+        cands = sorted(set(conf_of.values()))
+        p_verify = {c: sum(ref.p1[t] for t, ct in conf_of.items() if ct >= c) for c in cands}
+        cut = min(cands, key=lambda c: abs(p_verify[c] - 0.5))
         pol = Counting(mode="static", conf_min=cut, gamma=1)
         pol.seen = []
         sp.decoder.policy = pol
@@ -257,6 +260,6 @@ def test_scheduled_sampling_first_two_tokens_match_plain_sampling(target_path, d
     p = chi2_sf(stat, dof)
     print(f"\nscheduled (static conf_min {cut:.4f}): {len(samples)} samples, draft verified on {verified:.1%} "
           f"of the cycles, chi2 {stat:.1f} dof {dof} p {p:.3g} TV {tv:.4f}")
-    assert 0.2 < verified < 0.8, "both paths (verify the draft / drop it) must occur"
+    assert 0.05 < verified < 0.95, "both paths (verify the draft / drop it) must occur"
     assert outside == 0
     assert p > 1e-3
