@@ -260,7 +260,8 @@ def load_records(data_dir) -> List[Record]:
     """Every record of a dataset directory (features stay float16)."""
     recs: List[Record] = []
     for shard in sorted(Path(data_dir).glob("shard-*.npz")):
-        z = np.load(shard)
+        with np.load(shard) as zf:
+            z = {k: zf[k] for k in zf.files}   # each member read once (NpzFile reads on every access)
         off = z["tok_off"]
         fo = to = 0
         for i in range(len(off) - 1):
