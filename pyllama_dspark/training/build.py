@@ -9,7 +9,7 @@ import numpy as np
 from ..gguf_info import read_gguf, read_target_info
 from ..testing import default_target_layers, pick_mask_token_id
 
-__all__ = ["target_tensor", "make_spec", "build_model"]
+__all__ = ["target_tensor", "make_spec", "build_model", "feature_scale"]
 
 
 def target_tensor(target_path: str, name: str) -> np.ndarray:
@@ -38,8 +38,21 @@ def make_spec(target_path: str, n_layers: int = 1, block_size: int = 7, markov_r
                      mask_token_id=int(pick_mask_token_id(read_gguf(target_path))))
 
 
+def feature_scale(records, max_rows: int = 60000, floor: float = 1e-3) -> np.ndarray:
+    """Per-dimension RMS of the captured features over (up to ``max_rows`` rows of) the records."""
+    rows, acc = 0, None
+    for r in records:
+        f = r.feats.astype(np.float64)
+        sq = (f * f).sum(0)
+        acc = sq if acc is None else acc + sq
+        rows += f.shape[0]
+        if rows >= max_rows:
+            break
+    return np.maximum(np.sqrt(acc / max(1, rows)), floor).astype(np.float32)
+
+
 def build_model(target_path: str, spec, d2t: np.ndarray, train_head: bool = False,
-                init_from_layer: Optional[int] = -1, seed: int = 0):
+                init_from_layer: Optional[int] = -1, seed: int = 0, feat_scale: Optional[np.ndarray] = None):
     """A :class:`DSparkDraft` whose frozen embeddings (and lm_head rows for ``d2t``) come from the
     target's ``token_embd`` (or ``output.weight`` when the target has an untied head); its FFN is
     initialized from target layer ``init_from_layer`` (-1 = the last; None = random)."""
@@ -52,7 +65,8 @@ def build_model(target_path: str, spec, d2t: np.ndarray, train_head: bool = Fals
         head_full = target_tensor(target_path, "output.weight")
     except KeyError:
         head_full = emb
-    model = DSparkDraft(spec, emb, d2t, head_full[np.asarray(d2t)], train_head=train_head, seed=seed)
+    model = DSparkDraft(spec, emb, d2t, head_full[np.asarray(d2t)], train_head=train_head, seed=seed,
+                        feat_scale=feat_scale)
     if init_from_layer is not None:
         ti = read_target_info(target_path)
         il = init_from_layer % ti.n_layer

@@ -34,7 +34,7 @@ def export_gguf(model, target_path: str, out_path: str, weights_type: str = "q8_
     mat = weights_type
     # q8_0 needs rows that are a multiple of 32 wide (true for every matrix here at d=576)
     w: Dict[str, Tuple[np.ndarray, str]] = {
-        "fc.weight": (_np(model.fc), "f32"),
+        "fc.weight": (_np(model.fc_folded()), "f32"),
         "enc.output_norm.weight": (_np(model.enc_norm), "f32"),
         "output_norm.weight": (_np(model.out_norm), "f32"),
         "output.weight": (_np(model.head), mat),

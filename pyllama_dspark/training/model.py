@@ -60,7 +60,7 @@ def _rms(x: torch.Tensor, w: Optional[torch.Tensor], eps: float) -> torch.Tensor
 
 class DSparkDraft(nn.Module):
     def __init__(self, spec: DraftSpec, tok_embd: np.ndarray, d2t: np.ndarray, head_init: np.ndarray,
-                 train_head: bool = False, seed: int = 0):
+                 train_head: bool = False, seed: int = 0, feat_scale: Optional[np.ndarray] = None):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.spec = spec
@@ -76,6 +76,11 @@ class DSparkDraft(nn.Module):
         t2d = np.full(spec.n_vocab, -1, dtype=np.int64)
         t2d[np.asarray(d2t)] = np.arange(len(d2t))
         self.register_buffer("t2d", torch.from_numpy(t2d))
+        # per-dimension feature scale (RMS over the data): training sees features / scale, the export
+        # folds 1/scale into fc.  SmolLM2's layer inputs have "massive activation" dimensions ~1000x
+        # the median; unscaled, they would dominate fc's output and flatten the context.
+        fs = np.ones(spec.n_feat, dtype=np.float32) if feat_scale is None else np.asarray(feat_scale, np.float32)
+        self.register_buffer("feat_scale", torch.from_numpy(fs.copy()))
         self.fc = lin(d, spec.n_feat, std=spec.n_feat ** -0.5)
         self.enc_norm = nn.Parameter(torch.ones(d))
         self.layers = nn.ModuleList()
@@ -115,7 +120,11 @@ class DSparkDraft(nn.Module):
         return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
 
     def encode(self, feats: torch.Tensor) -> torch.Tensor:
-        return _rms(feats @ self.fc.t(), self.enc_norm, self.spec.rms_eps)
+        return _rms((feats / self.feat_scale) @ self.fc.t(), self.enc_norm, self.spec.rms_eps)
+
+    def fc_folded(self) -> torch.Tensor:
+        """fc as llama.cpp applies it to raw features (the feature scale folded in)."""
+        return self.fc / self.feat_scale[None, :]
 
     def forward_blocks(self, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
                        use_markov: bool = True):

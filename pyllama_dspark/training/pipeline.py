@@ -103,7 +103,7 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
     if "train" in stages or "export" in stages:
         import torch
 
-        from .build import build_model, make_spec
+        from .build import build_model, feature_scale, make_spec
         from .datagen import load_records
         from .trainer import Batcher, select_vocab, train
 
@@ -126,7 +126,13 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
              f"(covers {covered:.4f} of response tokens)")
         spec = make_spec(target_path, n_layers=cfg.n_layers, block_size=cfg.block_size,
                          markov_rank=cfg.markov_rank, target_layers=layers)
-        model = build_model(target_path, spec, d2t, train_head=cfg.train_head, seed=cfg.seed)
+        spath = work / "feature_scale.npy"
+        if spath.exists():
+            fscale = np.load(spath)
+        else:
+            fscale = feature_scale(recs)
+            np.save(spath, fscale)
+        model = build_model(target_path, spec, d2t, train_head=cfg.train_head, seed=cfg.seed, feat_scale=fscale)
         batcher = Batcher(recs, spec.block_size, model.t2d.numpy(), pad_token=int(d2t[0]))
         tr_idx, ev_idx = split_indices(len(recs), cfg.eval_every_nth)
         (work / "train").mkdir(exist_ok=True)
