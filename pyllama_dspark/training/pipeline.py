@@ -160,6 +160,34 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
             export_gguf(model, target_path, out_path, cfg.weights_type)
             echo(f"wrote {out_path}")
             result["out"] = str(out_path)
+            card_path = Path(str(out_path)).with_suffix(".json")
+            card_path.write_text(json.dumps(_model_card(target_path, work, cfg, spec, recs, d2t, covered),
+                                            indent=1, default=str))
+            echo(f"wrote {card_path}")
     (work / "pipeline.json").write_text(json.dumps({"config": asdict(cfg), "result": result}, indent=1,
                                                    default=str))
     return result
+
+
+def _model_card(target_path: str, work: Path, cfg: PipelineConfig, spec, recs, d2t, covered: float) -> dict:
+    """What the exported draft is and how it was made (shipped next to the GGUF)."""
+    import os
+
+    log = []
+    lp = work / "train" / "train_log.jsonl"
+    if lp.exists():
+        log = [json.loads(line) for line in lp.read_text().splitlines() if line.strip()]
+    evals = [r for r in log if "tau_eval" in r]
+    data_bytes = sum(f.stat().st_size for f in (work / "data").glob("shard-*.npz"))
+    return {
+        "target": {"file": os.path.basename(target_path), "bytes": os.path.getsize(target_path)},
+        "draft": spec.to_dict() | {"vocab_draft": int(len(d2t)), "vocab_coverage_of_responses": round(float(covered), 4)},
+        "instructions": json.loads((work / "data_card.json").read_text()),
+        "data": {"sequences": len(recs), "sampled": int(sum(r.sampled for r in recs)),
+                 "response_tokens": int(sum(len(r.tokens) - r.n_prompt for r in recs)),
+                 "tokens": int(sum(len(r.tokens) for r in recs)), "shard_bytes": int(data_bytes)},
+        "training": {"config": asdict(cfg.train), "steps_done": log[-1]["step"] if log else 0,
+                     "seconds": log[-1]["elapsed_s"] if log else 0,
+                     "eval_tau_teacher_forced": [(r["step"], round(r["tau_eval"], 4)) for r in evals],
+                     "final_eval_slot_acc": evals[-1]["slot_acc_eval"] if evals else None},
+    }
