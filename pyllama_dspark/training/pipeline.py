@@ -178,6 +178,12 @@ def _model_card(target_path: str, work: Path, cfg: PipelineConfig, spec, recs, d
     if lp.exists():
         log = [json.loads(line) for line in lp.read_text().splitlines() if line.strip()]
     evals = [r for r in log if "tau_eval" in r]
+    seconds, last = 0.0, 0.0          # elapsed_s restarts at 0 when a run resumes
+    for r in log:
+        if r["elapsed_s"] < last:
+            seconds += last
+        last = r["elapsed_s"]
+    seconds += last
     data_bytes = sum(f.stat().st_size for f in (work / "data").glob("shard-*.npz"))
     return {
         "target": {"file": os.path.basename(target_path), "bytes": os.path.getsize(target_path)},
@@ -187,7 +193,7 @@ def _model_card(target_path: str, work: Path, cfg: PipelineConfig, spec, recs, d
                  "response_tokens": int(sum(len(r.tokens) - r.n_prompt for r in recs)),
                  "tokens": int(sum(len(r.tokens) for r in recs)), "shard_bytes": int(data_bytes)},
         "training": {"config": asdict(cfg.train), "steps_done": log[-1]["step"] if log else 0,
-                     "seconds": log[-1]["elapsed_s"] if log else 0,
+                     "seconds": round(seconds, 1),
                      "eval_tau_teacher_forced": [(r["step"], round(r["tau_eval"], 4)) for r in evals],
                      "final_eval_slot_acc": evals[-1]["slot_acc_eval"] if evals else None},
     }
