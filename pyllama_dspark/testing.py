@@ -441,6 +441,7 @@ def make_test_draft(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        os.chmod(tmp, 0o644)   # mkstemp makes 0600; a draft is an ordinary data file
         os.replace(tmp, out_path)
     except BaseException:
         try:
