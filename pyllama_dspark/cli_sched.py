@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import json
 import statistics
 import time
@@ -271,7 +273,8 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
         refs = [sp.generate(p, n_predict, ignore_eos=False).tokens for p in prompts]
     cost = prof.cost_model()
     click.echo(prof.table(), err=True)
-    sources = [("random draft", None)] + [(f"oracle acc {a:.1f}", a) for a in accs]
+    label = "random draft" if (draft or "random") == "random" else f"draft {os.path.basename(draft_p)}"
+    sources = [(label, None)] + [(f"oracle acc {a:.1f}", a) for a in accs]
     configs = [("no draft", "none"), ("fixed", "off"), (f"static {conf_min}", "static"), ("profiled", "profiled")]
     rows = []
     for R in r_list:
