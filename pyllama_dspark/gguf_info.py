@@ -808,7 +808,8 @@ def validate_pair(draft_info: DraftInfo, target_info: TargetInfo) -> List[str]:
         raise DraftMismatchError(f"{dn}: {p}")
 
     warnings: List[str] = []
-    if d.has_own_tok_embd or d.has_own_lm_head:
+    if d.has_own_tok_embd or (d.has_own_lm_head and not d.has_d2t):
+        # (a reduced-vocabulary draft needs its own lm_head rows: nothing to warn about)
         warnings.append(f"{dn} carries its own embeddings/lm_head; they are used instead of the target's")
     if d.n_ctx_train and t.n_ctx_train and d.n_ctx_train < t.n_ctx_train:
         warnings.append(f"draft context length {d.n_ctx_train} < target context length {t.n_ctx_train}")
