@@ -228,8 +228,9 @@ def test_negative_control_wrong_q_is_detected(target_path, refs):
 
 def test_scheduled_sampling_first_two_tokens_match_plain_sampling(target_path, dspark_draft_path, refs):
     """Confidence-scheduled verification at T > 0: a static cut on the random draft's confidence,
-    placed so that the single draft is verified on about half of the cycles and dropped on the
-    others (the confidence depends on t1), leaves the law of (t1, t2) unchanged."""
+    placed so that the single draft is verified on as close to half of the cycles as the few
+    values of t1 allow (the confidence depends on t1) and dropped on the others, leaves the law
+    of (t1, t2) unchanged."""
     from pyllama_dspark.policy import VerifyPolicy
 
     class Counting(VerifyPolicy):
