@@ -43,14 +43,11 @@ class PipelineConfig:
 
 def benchmark_texts(prompt_dir: Optional[Path]) -> List[str]:
     """Every turn of every benchmark prompt file (to keep them out of the training set)."""
-    out: List[str] = []
+    from ..prompts import load_prompts
+
     if prompt_dir is None:
-        return out
-    for f in sorted(Path(prompt_dir).glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                out += [str(t) for t in json.loads(line).get("turns", [])]
-    return out
+        return []
+    return [str(t) for it in load_prompts([prompt_dir]) for t in it.turns]
 
 
 def split_indices(n: int, every: int) -> tuple:

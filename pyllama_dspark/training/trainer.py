@@ -218,7 +218,7 @@ def train(model: DSparkDraft, batcher: Batcher, train_idx: Sequence[int], eval_i
                 continue
             loss, m, match, valid, _ = block_losses(model, b, cfg)
             (loss / cfg.seqs_per_step).backward()
-            agg["loss"] += float(loss)
+            agg["loss"] += float(loss.detach())
             for k in ("ce", "tv", "bce"):
                 agg[k] += m[k]
             taus.append(tau_from_matches(match, valid))
