@@ -31,11 +31,17 @@ class Speculator(Owned):
     def __init__(self, target_path: str, draft_path: Optional[str] = None, *,
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512,
                  n_threads: Optional[int] = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
-                 n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False):
+                 n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False, n_seq: int = 1):
+        """``n_seq``: sequences the contexts hold (``n_ctx`` is shared among them), for a
+        :class:`~.batch.BatchDecoder` over ``target`` / ``proposer``; ``stream``/``generate`` use
+        sequence 0."""
         if int(n_max) <= 0:
             raise ValueError(f"n_max must be >= 1, got {n_max}")
+        if int(n_seq) <= 0:
+            raise ValueError(f"n_seq must be >= 1, got {n_seq}")
         self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
-                                        flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, verbose=verbose)
+                                        flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, verbose=verbose,
+                                        n_seq_max=int(n_seq))
         self.settings.validate()
         self.n_max = int(n_max)
         # validates the pairing from the files before llama.cpp sees them (it aborts on mismatches)

@@ -54,7 +54,8 @@ def common(f):
 
 @click.command("profile")
 @common
-@click.option("--b-max", type=int, default=16, show_default=True, help="Largest verify batch to time.")
+@click.option("--b-max", type=int, default=32, show_default=True,
+              help="Largest verify batch to time (R sequences x (1 + drafts) for batched decoding).")
 @click.option("--repeats", type=int, default=5, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Profile file (default: the cache, keyed by models and settings).")

@@ -64,6 +64,9 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=int, default=8080, show_default=True)
 @click.option("-np", "--parallel", "n_slots", type=int, default=1, show_default=True, help="Slots served concurrently.")
+@click.option("-cb/-nocb", "--cont-batching/--no-cont-batching", "cont_batching", default=True, show_default=True,
+              help="With -np > 1: decode all slots together (one draft and one target decode per step); "
+                   "-nocb gives each slot its own contexts and thread.")
 @click.option("-c", "--ctx-size", "n_ctx", type=int, default=4096, show_default=True, help="Context per slot.")
 @click.option("-b", "--batch-size", "n_batch", type=int, default=512, show_default=True)
 @click.option("-ub", "--ubatch-size", "n_ubatch", type=int, default=512, show_default=True)
@@ -78,7 +81,7 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 @click.option("--min-p", type=float, default=0.05, show_default=True)
 @click.option("-s", "--seed", type=int, default=-1, show_default=True, help="Default seed (-1: random).")
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
-def serve(model, draft, spec_type, n_max, host, port, n_slots, n_ctx, n_batch, n_ubatch, threads, flash_attn,
+def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_ctx, n_batch, n_ubatch, threads, flash_attn,
           n_gpu_layers, api_key, alias, temperature, top_k, top_p, min_p, seed, verbose):
     """OpenAI-compatible server (llama-server's endpoints, timings and draft-acceptance log)."""
     try:
@@ -99,9 +102,16 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, n_ctx, n_batch, n
     target = model or default_target()
     try:
         draft = resolve_draft(target, draft, spec_type)
-        pool = build_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
-                          threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
-                          verbose=verbose)
+        if n_slots > 1 and cont_batching:
+            from .batch_pool import open_batched_pool
+
+            pool = open_batched_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
+                                     threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
+                                     verbose=verbose)
+        else:
+            pool = build_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
+                              threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
+                              verbose=verbose)
     except (DSparkError, ValueError, OSError) as e:
         raise click.ClickException(str(e))
     defaults = dict(LLAMA_SERVER_SAMPLING, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
@@ -109,7 +119,7 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, n_ctx, n_batch, n
     meta = {"n_ctx": pool.n_ctx, "n_vocab": sp.target.n_vocab, "n_embd": sp.target.n_embd,
             "draft": os.path.basename(draft) if draft else None,
             "draft_kind": sp.proposer.name if draft else None, "n_max": sp.n_max if draft else 0,
-            "n_slots": pool.n_slots}
+            "n_slots": pool.n_slots, "cont_batching": bool(n_slots > 1 and cont_batching)}
     config = ServerConfig(model_id=alias or os.path.basename(target), api_key=api_key,
                           sampling_defaults=defaults, model_meta=meta)
     app = create_app(pool, config)

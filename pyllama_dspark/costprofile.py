@@ -85,7 +85,7 @@ def save(profile: Profile, path) -> None:
     os.replace(tmp, p)
 
 
-def measure(sp, *, b_max: int = 16, repeats: int = 5, seed: int = 0,
+def measure(sp, *, b_max: int = 32, repeats: int = 5, seed: int = 0,
             progress: Optional[Callable[[int, int], None]] = None) -> Profile:
     """Profile an open :class:`~pyllama_dspark.api.Speculator` (target, optional draft)."""
     from .drafter import DraftModelProposer
@@ -148,7 +148,7 @@ def measure(sp, *, b_max: int = 16, repeats: int = 5, seed: int = 0,
         overhead_ms=overhead, repeats=repeats)
 
 
-def load_or_measure(sp, *, path=None, b_max: int = 16, repeats: int = 5, remeasure: bool = False,
+def load_or_measure(sp, *, path=None, b_max: int = 32, repeats: int = 5, remeasure: bool = False,
                     progress=None) -> Profile:
     """The cached profile for these settings, measuring it on first use."""
     s = sp.settings

@@ -326,6 +326,8 @@ class SpecDecoder:
                     proposal = _propose_sampled(prop, anchor, pos0, n_max, smp, seq)
                     drafts = np.asarray(proposal.tokens[:n_draft_max], dtype=np.int32)
                     q = proposal.probs
+                if pol is not None:
+                    pol.observe_draft(1, (clock() - t1) * 1e3)
                 if pol is not None and pol.mode != "off" and len(drafts):
                     ell = pol.lengths([proposal.confidence], [len(drafts)])[0]
                     drafts = drafts[:ell]
@@ -355,7 +357,7 @@ class SpecDecoder:
                 t3 = t_acc
             stats.record(k, n_acc)
             if pol is not None:
-                pol.update(k, n_acc)
+                pol.update(k, n_acc, proposal.confidence if k else None)
             # like llama.cpp: the draft gets the features of every verify row, then both memories
             # drop the rejected positions
             prop.observe(0, k + 1, pos0, seq)
@@ -420,12 +422,14 @@ class _OneHotRows:
 class _TargetRows:
     """p rows of the verify decode through the sampler chain, computed on first use.
 
-    Row i follows the anchor and drafts[:i]: the penalty history is extended with drafts[:i]."""
+    Row i (of this sequence's rows, which start at ``row0`` of the decode) follows the anchor and
+    drafts[:i]: the penalty history is extended with drafts[:i]."""
 
-    def __init__(self, target: Target, smp: TokenSampler, drafts: np.ndarray):
+    def __init__(self, target: Target, smp: TokenSampler, drafts: np.ndarray, row0: int = 0):
         self.target = target
         self.smp = smp
         self.drafts = drafts
+        self.row0 = row0
 
     def __getitem__(self, i: int) -> np.ndarray:
-        return self.smp.probs(self.target.logits_view(i), self.drafts[:i])
+        return self.smp.probs(self.target.logits_view(self.row0 + i), self.drafts[:i])

@@ -521,10 +521,22 @@ class Draft(_ModelCtx):
         if hidden:
             self._hidden_rows = len(tokens)
 
-    def decode_blocks(self, tokens: np.ndarray, block_len: int, pos0: np.ndarray, seq_ids: np.ndarray) -> None:
+    def decode_blocks(self, tokens: np.ndarray, block_len: int, pos0: np.ndarray, seq_ids: np.ndarray,
+                      hidden: bool = False) -> None:
+        """Several equal-length blocks (one per sequence) in one decode; ``hidden`` as for
+        :meth:`decode_block` (rows are numbered across the blocks)."""
         self._alive()
-        nat.check(nat.draft_decode_blocks(self.handle, nat.ptr_i32(tokens), block_len, nat.ptr_i32(pos0),
-                                          nat.ptr_i32(seq_ids), len(seq_ids)), "draft block decode")
+        self._hidden_rows = 0
+        if hidden:
+            ll.llama_set_embeddings(self.ctx, True)
+        try:
+            nat.check(nat.draft_decode_blocks(self.handle, nat.ptr_i32(tokens), block_len, nat.ptr_i32(pos0),
+                                              nat.ptr_i32(seq_ids), len(seq_ids)), "draft block decode")
+        finally:
+            if hidden:
+                ll.llama_set_embeddings(self.ctx, False)
+        if hidden:
+            self._hidden_rows = len(tokens)
 
     def confidence(self, i0: int, n: int, out: np.ndarray) -> None:
         self._alive()

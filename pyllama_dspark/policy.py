@@ -35,6 +35,11 @@ class VerifyPolicy:
     probe_every: int = 16                            # re-draft now and then when drafting was skipped
     _acc: np.ndarray = field(default=None, repr=False)
     _skipped: int = 0
+    _draft_ms: dict = field(default_factory=dict, repr=False)   # measured draft pass ms per R (EMA)
+    _n: np.ndarray = field(default=None, repr=False)            # verified tries per position
+    _hit_sum: np.ndarray = field(default=None, repr=False)      # decayed sums for the online
+    _conf_sum: np.ndarray = field(default=None, repr=False)     # confidence correction
+    _probe_gap: int = 0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -43,8 +48,13 @@ class VerifyPolicy:
             raise ValueError("the profiled schedule needs a cost profile")
         if not 0.0 <= self.conf_min <= 1.0 or not 0.0 <= self.p_survival_min <= 1.0:
             raise ValueError("conf_min and p_survival_min must be in [0, 1]")
-        # optimistic start: drafting is tried until evidence says it does not pay
+        # optimistic start: drafting is tried until evidence says it does not pay (the prior weighs
+        # one observation, so a few cycles correct it)
         self._acc = np.full(self.gamma, 0.9)
+        self._n = np.zeros(self.gamma)
+        self._hit_sum = np.zeros(self.gamma)
+        self._conf_sum = np.zeros(self.gamma)
+        self._probe_gap = self.probe_every
 
     @property
     def needs_confidence(self) -> bool:
@@ -56,17 +66,42 @@ class VerifyPolicy:
             return c
         return apply_sts(c[None, :], self.temperatures)[0]
 
+    # ---- draft cost ---------------------------------------------------------------------------
+    def observe_draft(self, n_requests: int, ms: float) -> None:
+        """A draft pass over ``n_requests`` blocks took ``ms``: the scheduler's estimate follows the
+        proposer actually in use (a batched pass is not R single passes; an oracle costs ~0)."""
+        if n_requests <= 0 or not np.isfinite(ms) or ms < 0:
+            return
+        old = self._draft_ms.get(n_requests)
+        self._draft_ms[n_requests] = ms if old is None else old + 0.2 * (ms - old)
+
+    def draft_estimate(self, n_requests: int) -> Optional[float]:
+        """Measured draft pass ms for R blocks (scaled from the nearest measured R), or None (the
+        profile's figure is used)."""
+        if not self._draft_ms:
+            return None
+        if n_requests in self._draft_ms:
+            return self._draft_ms[n_requests]
+        near = min(self._draft_ms, key=lambda r: abs(r - n_requests))
+        return self._draft_ms[near] * n_requests / near
+
     # ---- before drafting ----------------------------------------------------------------------
     def want_draft(self, n_requests: int) -> bool:
         if self.mode != "profiled":
             return True
+        if n_requests not in self._draft_ms:   # one pass to learn what drafting R blocks costs here
+            return True
         est = [survival(self._acc)] * max(1, n_requests)
-        if should_draft(est, self.cost):
+        if should_draft(est, self.cost, self.draft_estimate(len(est))):
             self._skipped = 0
+            self._probe_gap = self.probe_every
             return True
         self._skipped += 1
-        if self.probe_every and self._skipped >= self.probe_every:  # keep the estimates alive
+        # keep the estimates alive with a probe now and then, backing off while probes keep saying
+        # that drafting does not pay (a probe costs a draft pass)
+        if self.probe_every and self._skipped >= self._probe_gap:
             self._skipped = 0
+            self._probe_gap = min(2 * self._probe_gap, 16 * self.probe_every)
             return True
         return False
 
@@ -78,6 +113,9 @@ class VerifyPolicy:
         out = []
         if self.mode in ("static", "survival"):
             for c, n in zip(confs, n_drafted):
+                if n == 0:
+                    out.append(0)
+                    continue
                 if c is None:
                     raise ValueError(f"the {self.mode} schedule needs a draft with a confidence head")
                 c = self.calibrated(c[:n])
@@ -86,15 +124,39 @@ class VerifyPolicy:
             return out
         surv = []
         for c, n in zip(confs, n_drafted):
+            if n == 0:
+                surv.append(np.zeros(0))
+                continue
             if c is None:
                 raise ValueError("the profiled schedule needs a draft with a confidence head")
-            surv.append(survival(self.calibrated(c[:n])))
-        return schedule(surv, self.cost, drafted=True).lengths
+            surv.append(survival(self.corrected(self.calibrated(c[:n]))))
+        n_blocks = sum(1 for n in n_drafted if n > 0)
+        return schedule(surv, self.cost, drafted=True, draft_ms=self.draft_estimate(n_blocks)).lengths
 
-    def update(self, n_verified: int, n_accepted: int) -> None:
-        """Running conditional acceptance per position from one verified block."""
+    def corrected(self, conf: np.ndarray) -> np.ndarray:
+        """Profiled mode: confidences rescaled per position by the observed acceptance over the
+        confidence the verified positions had (decayed sums, one pseudo-observation each), so an
+        uncalibrated draft head cannot keep the scheduler over-admitting.  Uses past cycles only."""
+        c = np.asarray(conf, dtype=np.float64)
+        if self.mode != "profiled" or c.size == 0:
+            return c
+        k = min(c.size, self.gamma)
+        ratio = (self._hit_sum[:k] + 1.0) / (self._conf_sum[:k] + 1.0)
+        out = c.copy()
+        out[:k] = np.clip(c[:k] * ratio, 0.0, 1.0)
+        return out
+
+    def update(self, n_verified: int, n_accepted: int, conf: Optional[np.ndarray] = None) -> None:
+        """Running conditional acceptance per position from one verified block; ``conf``: the
+        (calibrated) confidences the verified drafts had, for :meth:`corrected`."""
+        c = None if conf is None else self.calibrated(np.asarray(conf[:n_verified], dtype=np.float64))
         for k in range(min(n_verified, self.gamma)):
             if k > n_accepted:
                 break
             hit = 1.0 if k < n_accepted else 0.0
-            self._acc[k] += self.ema * (hit - self._acc[k])
+            self._n[k] += 1
+            rate = max(self.ema, 1.0 / (self._n[k] + 1.0))
+            self._acc[k] += rate * (hit - self._acc[k])
+            if c is not None and k < c.size:
+                self._hit_sum[k] = 0.97 * self._hit_sum[k] + hit
+                self._conf_sum[k] = 0.97 * self._conf_sum[k] + c[k]

@@ -4,8 +4,10 @@
                       (llama.cpp's ``--spec-draft-p-min`` for DSpark);
 * ``survival_cut``    verify while the prefix survival a_k = prod_{i<=k} c_i stays >= p_min;
 * ``schedule``        Algorithm 1 over R requests on a profiled cost curve, with the early stop
-                      that keeps it non-anticipating (hence lossless); the draft pass cost is part
-                      of the objective and l_r = 0 means plain decoding for request r;
+                      that keeps it non-anticipating (hence lossless) -- its stop test reads the
+                      cost curve ahead, so a jagged curve does not stop it at the first slow batch
+                      size; the draft pass cost is part of the objective and l_r = 0 means plain
+                      decoding for request r;
 * ``retrospective_schedule`` the global search over the same admission path WITHOUT the early
                       stop — kept only to show (in tests) that it would leak future tokens;
 * ``should_draft``    whether a draft pass can pay at all, from survival estimates known before it;
@@ -51,7 +53,12 @@ class CostModel:
         v = self.verify_ms
         if b <= v.size:
             return float(v[b - 1])
-        slope = float(v[-1] - v[-2]) if v.size >= 2 else float(v[-1])
+        if v.size >= 2:  # least-squares slope over the last half of the table (one jag cannot flatten it)
+            k = max(2, (v.size + 1) // 2)
+            x = np.arange(v.size - k, v.size, dtype=np.float64)
+            slope = max(0.0, float(np.polyfit(x, v[-k:], 1)[0]))
+        else:
+            slope = float(v[-1])
         return float(v[-1] + slope * (b - v.size))
 
     def t_draft(self, n_seqs: int) -> float:
@@ -110,37 +117,55 @@ def _theta(tau: float, b: int, cost: CostModel, t_fixed: float) -> float:
     return tau / ((cost.t_verify(b) + t_fixed) / 1e3)
 
 
-def schedule(surv: Sequence[Sequence[float]], cost: CostModel, *, drafted: bool = True) -> Schedule:
+def _can_pay(tau: float, b: int, a: float, remaining: int, cost: CostModel, t_fixed: float,
+             current: float) -> bool:
+    """Could admitting this candidate (survival ``a``) and up to ``remaining - 1`` more raise Theta
+    above ``current``?  Every later candidate has survival <= a (the order is descending), so
+    ``tau + m * a`` bounds the tokens of m admissions: the test reads the cost curve ahead but no
+    survival beyond this candidate's.  On a convex cost curve (increasing marginal cost) it is the
+    paper's one-step test; on a jagged one (a slow batch size between fast ones) it can cross the
+    slow step."""
+    for m in range(1, remaining + 1):
+        if _theta(tau + m * a, b + m, cost, t_fixed) > current:
+            return True
+    return False
+
+
+def schedule(surv: Sequence[Sequence[float]], cost: CostModel, *, drafted: bool = True,
+             draft_ms: Optional[float] = None) -> Schedule:
     """Algorithm 1 with early stopping.
 
     ``surv[r]`` are request r's prefix survivals a_{r,1..gamma} (non-increasing).  The objective is
     expected tokens per second, Theta = tau* / (t_verify(B) + t_fixed) with t_fixed = the draft pass
-    (when ``drafted``) plus the per-cycle overhead.  Admission stops at the first candidate that does
-    not improve Theta: the decision to verify x_{r,j} never looks at later tokens.
+    (when ``drafted``; ``draft_ms`` overrides the cost model's estimate, e.g. with a measured one)
+    plus the per-cycle overhead.  Candidates are admitted in descending survival; admission stops
+    at the first candidate that cannot pay, judged only from its own survival, the survivals
+    admitted before it and the cost curve (:func:`_can_pay`), and the admitted set is what is
+    verified: the decision to verify x_{r,j} never looks at later tokens, so it stays lossless.
     """
     R = len(surv)
     if R == 0:
         raise ValueError("no requests")
-    t_fixed = (cost.t_draft(R) if drafted else 0.0) + cost.overhead_ms
-    lengths, best_lengths = [0] * R, [0] * R
+    t_draft = (cost.t_draft(R) if draft_ms is None else float(draft_ms)) if drafted else 0.0
+    t_fixed = t_draft + cost.overhead_ms
+    lengths = [0] * R
     b, tau = R, float(R)
-    best = _theta(tau, b, cost, t_fixed)
-    best_b, best_tau = b, tau
+    theta = _theta(tau, b, cost, t_fixed)
     path = []
-    for a, r, j in _candidates(surv):
+    # how many positions could still be admitted: the drafted count, not how many have a > 0 (that
+    # would read later survivals)
+    n_positions = sum(len(s) for s in surv)
+    for i, (a, r, j) in enumerate(_candidates(surv)):
         if j != lengths[r] + 1:   # survival is non-increasing: only happens on exact ties; keep prefixes
+            break
+        if not _can_pay(tau, b, a, n_positions - i, cost, t_fixed, theta):
             break
         lengths[r] = j
         b += 1
         tau += a
         theta = _theta(tau, b, cost, t_fixed)
-        if theta > best:
-            best, best_b, best_tau = theta, b, tau
-            best_lengths = list(lengths)
-            path.append((r, j, theta))
-        else:
-            break
-    return Schedule(best_lengths, best, best_b, best_tau, path)
+        path.append((r, j, theta))
+    return Schedule(lengths, theta, b, tau, path)
 
 
 def retrospective_schedule(surv: Sequence[Sequence[float]], cost: CostModel, *, drafted: bool = True) -> Schedule:
@@ -167,7 +192,8 @@ def retrospective_schedule(surv: Sequence[Sequence[float]], cost: CostModel, *, 
     return out
 
 
-def should_draft(expected_surv: Sequence[Sequence[float]], cost: CostModel) -> bool:
+def should_draft(expected_surv: Sequence[Sequence[float]], cost: CostModel,
+                 draft_ms: Optional[float] = None) -> bool:
     """Can a draft pass pay, given survival estimates known before drafting (e.g. running means)?
 
     Compares the best scheduled throughput including the draft cost with plain decoding of all R
@@ -175,7 +201,7 @@ def should_draft(expected_surv: Sequence[Sequence[float]], cost: CostModel) -> b
     """
     R = len(expected_surv)
     plain = _theta(float(R), R, cost, cost.overhead_ms)
-    return schedule(expected_surv, cost, drafted=True).throughput > plain
+    return schedule(expected_surv, cost, drafted=True, draft_ms=draft_ms).throughput > plain
 
 
 # ---- calibration ----------------------------------------------------------------------------------

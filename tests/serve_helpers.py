@@ -27,6 +27,7 @@ def free_port() -> int:
 class ServeProcess:
     def __init__(self, target: str, draft: Optional[str], log_path: Path, *, n_slots: int = 1, n_ctx: int = 1024,
                  extra: Sequence[str] = (), startup_timeout: float = 180.0):
+        self.extra = list(extra)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pyllama_dspark.cli", "serve", "-m", target, "--host", "127.0.0.1",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from greedy_ref import greedy, open_llama
-from pyllama_dspark.batch import BatchDecoder
+from pyllama_dspark.batch import BatchDecoder, Started
 from pyllama_dspark.handles import ContextSettings, Draft, Target, read_draft_meta
 from pyllama_dspark.oracle import OracleProposer
 from pyllama_dspark.policy import VerifyPolicy
@@ -104,3 +104,71 @@ def test_policy_refuses_bad_settings(target_path, dflash_draft_path):
     with t:
         with pytest.raises(ValueError, match="confidence head"):
             BatchDecoder(t, d, policy=VerifyPolicy(mode="static", conf_min=0.3))
+
+
+def test_batched_sampling_equals_each_sequences_own_sampling(target_path, refs):
+    """T > 0 through the batched decoder (trained drafter: Markov conditioning on the drawn token,
+    reduced vocabulary, accepts and rejections): every sequence draws exactly what the
+    single-sequence engine draws with the same seed.  With one slot the decodes have the same
+    shapes, so this is exact by construction of the shared accept rule; with three slots each
+    sequence's rows sit in larger batches."""
+    from pyllama_dspark.api import Speculator
+    from pyllama_dspark.cli import default_draft
+    from pyllama_dspark.sampling import SamplingParams
+
+    draft = default_draft()
+    prompts = [p for p, _, _ in refs[:4]]
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=100 + i) for i in range(4)]
+    n = 40
+    with Speculator(target_path, draft, n_threads=THREADS, n_ctx=2048) as sp:
+        singles = [sp.generate(p, n, sampling=s) for p, s in zip(prompts, params)]
+    assert sum(d.stats.accepted for d in singles) > 0 and sum(d.stats.drafted - d.stats.accepted for d in singles) > 0
+    for n_seq in (1, 3):
+        t, d = _open(target_path, draft, n_seq)
+        with t:
+            bd = BatchDecoder(t, d, n_max=7)
+            done = bd.run(prompts, n, sampling=params)
+        for i, (a, b) in enumerate(zip(done, singles)):
+            assert a.tokens == b.tokens, (n_seq, i)
+            assert a.stats.seed == b.stats.seed == 100 + i
+        if n_seq == 3:
+            assert max(bd.verify_batches) > 8   # several sequences' rows verified in one decode
+
+
+def test_batched_streaming_events_and_cancel(target_path, refs):
+    t, d = _open(target_path, default_draft_path(), 2)
+    with t:
+        bd = BatchDecoder(t, d, n_max=7, streaming=True)
+        (p0, m0, ref0), (p1, _, _), (p2, m2, ref2) = refs[0], refs[1], refs[2]
+        r0 = bd.submit(p0, m0)
+        r1 = bd.submit(p1, 200)
+        r2 = bd.submit(p2, m2, stop=["\n"])   # queued behind the two slots
+        events = {r0: [], r1: [], r2: []}
+        steps = 0
+        while bd.pending():
+            bd.step()
+            steps += 1
+            for rid, ev in bd.poll():
+                if isinstance(ev, Started):
+                    assert 0 <= ev.slot < 2 and not events[rid]
+                    continue
+                events[rid].append(ev)
+            if steps == 3:
+                assert bd.cancel(r1) and not bd.cancel(r1)   # frees its slot for the queued one
+        assert not bd.cancel(12345)
+        from pyllama_dspark.engine import Chunk, Done
+        for rid, ref in ((r0, ref0),):
+            evs = events[rid]
+            assert isinstance(evs[-1], Done) and all(isinstance(e, Chunk) for e in evs[:-1])
+            assert [tok for e in evs[:-1] for tok in e.tokens] == evs[-1].tokens == ref
+            assert "".join(e.text for e in evs[:-1]) == evs[-1].text
+        assert events[r1] and not any(isinstance(e, Done) for e in events[r1])   # cancelled: no Done
+        d2 = events[r2][-1]
+        assert isinstance(d2, Done) and "\n" not in d2.text
+        assert d2.tokens == ref2[:len(d2.tokens)]
+
+
+def default_draft_path():
+    from pyllama_dspark.cli import default_draft
+
+    return default_draft()

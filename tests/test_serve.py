@@ -1,6 +1,6 @@
 """``pyllama-dspark serve`` end to end on the real SmolLM2 target.
 
-One server (-np 2, a DSpark draft with target bigrams planted in its Markov head, so drafts are
+One server (-np 2, run once with continuous batching and once with a thread per slot; a DSpark draft with target bigrams planted in its Markov head, so drafts are
 really accepted) serves every endpoint, streaming and not, the error paths, a client that hangs up
 mid-stream, concurrent requests, the official ``openai`` client and llama.cpp's own SpeedBench
 client (``tools/server/bench/speed-bench/speed_bench.py`` of the vendored llama.cpp, imported
@@ -54,10 +54,13 @@ def bigram_draft(target_path, local, items, tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def server(target_path, bigram_draft, tmp_path_factory):
+@pytest.fixture(scope="module", params=["cont-batching", "no-cont-batching"])
+def server(request, target_path, bigram_draft, tmp_path_factory):
+    # -np 2: both slots decoded together by one batched decoder (the default), or (-nocb) one
+    # thread with its own contexts per slot
+    extra = ["-nocb"] if request.param == "no-cont-batching" else []
     srv = ServeProcess(target_path, bigram_draft, tmp_path_factory.mktemp("serve-log") / "serve.log",
-                       n_slots=2, n_ctx=N_CTX)
+                       n_slots=2, n_ctx=N_CTX, extra=extra)
     try:
         yield srv
     finally:
@@ -89,6 +92,7 @@ def test_health_and_models(server):
     m = server.get("/v1/models").json()
     assert m["object"] == "list" and m["data"][0]["object"] == "model"
     assert m["data"][0]["meta"]["draft_kind"] == "dspark" and m["data"][0]["meta"]["n_slots"] == 2
+    assert m["data"][0]["meta"]["cont_batching"] == (server.extra == [])
 
 
 def test_chat_completion_is_greedy_and_carries_timings(server, local):
