@@ -283,6 +283,10 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
         with t:
             n_vocab = t.n_vocab
             results = {(s, c): [] for s, _ in sources for c, _ in configs}
+            # one policy per (proposer, config) across the prompts, as a server keeps it: what the
+            # profiled policy learns (draft cost, acceptance, confidence correction) carries over
+            policies = {(s, c): VerifyPolicy(mode="off" if mode == "none" else mode, conf_min=conf_min, cost=cost)
+                        for s, _ in sources for c, mode in configs}
             runs = [(s, acc, c, mode) for s, acc in sources for c, mode in configs]
             bar = tqdm(total=len(runs) * len(prompts), desc=f"R={R}", leave=False)
             for i in range(len(prompts)):
@@ -298,8 +302,7 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
                         prop = d
                     else:
                         prop = _OracleSet(bp, br, n_vocab, 1.0 - acc, seed=i)
-                    policy = VerifyPolicy(mode="off" if mode == "none" else mode, conf_min=conf_min, cost=cost)
-                    bd = BatchDecoder(t, prop, n_max=7, policy=policy)
+                    bd = BatchDecoder(t, prop, n_max=7, policy=policies[(s, c)])
                     t0 = time.perf_counter()
                     done = bd.run(bp, [len(r) for r in br])
                     dt = time.perf_counter() - t0

@@ -34,9 +34,15 @@ import click
 @click.option("--weights-type", type=click.Choice(["f32", "f16", "q8_0"]), default="f16", show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="Threads (default: all cores).")
 @click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--mix", type=click.Choice(["v1", "v2"]), default="v2", show_default=True,
+              help="Instruction families: v1 (the shipped drafter's set) or v2 (adds boxed-answer math, "
+                   "python function requests and stubs, style requests).")
+@click.option("--extra-data", "extra", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="Work directory of an earlier run: its responses are trained on too and its "
+                   "instructions are not generated again (repeatable).")
 def train_cmd(target, out, work_dir, stages, n_prompts, slots, max_new, sampled_frac, vocab_size, n_layers,
               markov_rank, block_size, steps, max_minutes, seqs_per_step, anchors, lr, train_head, weights_type,
-              threads, seed):
+              threads, seed, mix, extra):
     """Train a DSpark drafter: prompts -> target responses + features -> training -> GGUF.
 
     The instruction set is generated from templates (no benchmark text); responses come from the
@@ -60,7 +66,8 @@ def train_cmd(target, out, work_dir, stages, n_prompts, slots, max_new, sampled_
     threads = threads or default_threads()
     cfg = PipelineConfig(
         n_prompts=n_prompts, seed=seed, vocab_size=vocab_size, n_layers=n_layers, markov_rank=markov_rank,
-        block_size=block_size, weights_type=weights_type, train_head=train_head,
+        block_size=block_size, weights_type=weights_type, train_head=train_head, mix=mix,
+        extra_data=[str(Path(e).resolve()) for e in extra],
         gen=GenConfig(slots=slots, max_new=max_new, sampled_frac=sampled_frac, n_threads=threads, seed=seed),
         train=TrainConfig(steps=steps, max_minutes=max_minutes, seqs_per_step=seqs_per_step,
                           anchors_per_seq=anchors, lr=lr, threads=threads, seed=seed,

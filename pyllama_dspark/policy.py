@@ -89,7 +89,7 @@ class VerifyPolicy:
     def want_draft(self, n_requests: int) -> bool:
         if self.mode != "profiled":
             return True
-        if n_requests not in self._draft_ms:   # one pass to learn what drafting R blocks costs here
+        if not self._draft_ms:   # one pass to learn what drafting costs here
             return True
         est = [survival(self._acc)] * max(1, n_requests)
         if should_draft(est, self.cost, self.draft_estimate(len(est))):

@@ -39,6 +39,33 @@ def smoke(target_path, tmp_path_factory):
     return work, out, res
 
 
+def test_v2_instructions_pass_the_shingle_filter_and_avoid_earlier_sets():
+    from pyllama_dspark.prompts import default_prompt_dir
+    from pyllama_dspark.training.instructions import BenchmarkFilter
+
+    bench = benchmark_texts(default_prompt_dir())
+    filt = BenchmarkFilter(bench)
+    # the filter catches benchmark turns, and edited copies of them (one word changed)
+    stub = next(b for b in bench if ">>>" in b)
+    assert filt.matches(stub) and filt.matches(stub.replace("def ", "def  my_", 1))
+    long_turn = next(b for b in bench if len(b.split()) > 30)
+    words = long_turn.split()
+    words[len(words) // 2] = "zebra"
+    assert filt.matches(" ".join(words))
+    # ...but not instruction boilerplate shared by many turns, nor an unrelated sentence
+    assert not filt.matches("Please reason step by step, and put your final answer within \\boxed{}.")
+    assert not filt.matches("Write a haiku about a lighthouse in winter.")
+    v1 = build_instructions(800, seed=1, exclude=bench)
+    v2 = build_instructions(1500, seed=3, exclude=bench, mix="v2", avoid=[i.messages[0]["content"] for i in v1])
+    texts = [i.messages[0]["content"] for i in v2]
+    assert len(set(texts)) == len(texts) and not any(filt.matches(t) for t in texts)
+    assert not {t.strip().lower() for t in texts} & {i.messages[0]["content"].strip().lower() for i in v1}
+    assert any(">>>" in t for t in texts) and any("\\boxed{}" in t for t in texts)
+    assert {"mathcot", "pycode"} <= {i.source for i in v2}
+    with pytest.raises(ValueError):
+        build_instructions(10, mix="v3")
+
+
 def test_instructions_are_distinct_and_not_benchmark_text():
     from pyllama_dspark.prompts import default_prompt_dir
 

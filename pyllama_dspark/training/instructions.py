@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-__all__ = ["Instruction", "build_instructions", "SOURCES", "is_benchmark_text"]
+__all__ = ["Instruction", "build_instructions", "SOURCES", "is_benchmark_text", "BenchmarkFilter", "MIXES"]
 
 SOURCES: Dict[str, str] = {
     "math": "word problems generated from random names/objects/numbers (templates in this file)",
@@ -27,6 +27,10 @@ SOURCES: Dict[str, str] = {
     "compare": "compare-two-things questions over paired topic lists",
     "list": "list/brainstorm requests over topic lists",
     "chat": "short conversational messages",
+    "mathcot": "(mix v2) word problems, exercises and LaTeX-notation problems written here, with a "
+               "step-by-step / boxed-answer request in several phrasings written here",
+    "pycode": "(mix v2) 'write a python function to ...' requests over the task lists, and Python "
+              "function stubs (signature, docstring, doctest examples) from FUNCTION_SPECS in this file",
     "multiturn": "a second user turn (follow-up templates) after the target's own first answer",
 }
 
@@ -208,16 +212,179 @@ def _list(r: random.Random) -> str:
                      f"Brainstorm {n} {t} and explain each briefly."])
 
 
+MORE_CODE_TASKS = [
+    "counts how many times each character appears in a string", "checks whether a year is a leap year",
+    "returns the list of prime numbers below n", "computes the median of a list of numbers",
+    "splits a string into words and sorts them alphabetically", "finds the index of the first repeated element",
+    "checks whether a list is sorted", "returns the product of all numbers in a list",
+    "converts a list of tuples into a dictionary", "removes all whitespace from a string",
+    "finds the common prefix of a list of strings", "computes the dot product of two vectors",
+    "returns every k-th element of a list", "checks whether a number is a perfect square",
+    "finds the largest difference between two elements of a list", "counts the uppercase letters in a string",
+    "replaces every vowel in a string with an asterisk", "returns the n smallest numbers of a list",
+    "converts a string of digits into an integer without int()", "checks whether a string contains only digits",
+    "interleaves two lists", "finds the missing number in a list containing 1..n",
+    "computes the nth triangular number", "returns the cumulative product of a list",
+    "finds pairs of numbers in a list that add up to a target", "converts hours, minutes and seconds to seconds",
+    "returns the unique characters of a string in order", "computes the area of a circle from its radius",
+    "finds the position of the largest element in a list", "checks whether all elements of a list are equal",
+]
+
+FUNCTION_SPECS = [
+    ("count_evens", "nums: list", "int", "Return how many numbers in nums are even.", [("[1, 2, 4, 7]", "2"), ("[]", "0")]),
+    ("last_digit_sum", "a: int, b: int", "int", "Return the sum of the last digits of a and b.", [("27, 45", "12")]),
+    ("shout", "text: str", "str", "Return text in upper case followed by an exclamation mark.", [("'hi'", "'HI!'")]),
+    ("middle", "items: list", "list", "Return items without its first and last element.", [("[1, 2, 3, 4]", "[2, 3]")]),
+    ("digits_of", "n: int", "list", "Return the decimal digits of a non-negative integer, most significant first.", [("409", "[4, 0, 9]")]),
+    ("is_vowel_heavy", "word: str", "bool", "Return True if more than half of the letters of word are vowels.", [("'aeiox'", "True"), ("'strength'", "False")]),
+    ("swap_pairs", "items: list", "list", "Swap every two neighbouring elements; a last odd element stays.", [("[1, 2, 3, 4, 5]", "[2, 1, 4, 3, 5]")]),
+    ("longest_run", "items: list", "int", "Return the length of the longest run of equal neighbouring elements.", [("[1, 1, 2, 2, 2, 3]", "3")]),
+    ("initials", "name: str", "str", "Return the initials of a full name, upper case, without spaces.", [("'ada lovelace'", "'AL'")]),
+    ("clamp", "x: float, lo: float, hi: float", "float", "Limit x to the interval [lo, hi].", [("5.0, 0.0, 2.5", "2.5"), ("-1.0, 0.0, 2.5", "0.0")]),
+    ("word_lengths", "sentence: str", "dict", "Map every word of the sentence to its length.", [("'to be or'", "{'to': 2, 'be': 2, 'or': 2}")]),
+    ("every_other", "text: str", "str", "Return the characters of text at even positions.", [("'abcdef'", "'ace'")]),
+    ("running_max", "nums: list", "list", "Return the maximum seen so far at every position.", [("[3, 1, 4, 1, 5]", "[3, 3, 4, 4, 5]")]),
+    ("count_words_starting_with", "text: str, letter: str", "int", "Count the words of text that begin with letter (case-insensitive).", [("'Big blue boat sails', 'b'", "3")]),
+    ("to_celsius", "f: float", "float", "Convert a temperature from Fahrenheit to Celsius, rounded to one decimal.", [("212.0", "100.0"), ("50.0", "10.0")]),
+    ("pairwise_sums", "nums: list", "list", "Return the sums of neighbouring pairs.", [("[1, 2, 3, 4]", "[3, 5, 7]")]),
+    ("is_increasing", "nums: list", "bool", "Return True if every number is larger than the one before it.", [("[1, 3, 8]", "True"), ("[2, 2]", "False")]),
+    ("compress", "text: str", "str", "Run-length encode text: each run becomes the character followed by its count.", [("'aaabcc'", "'a3b1c2'")]),
+    ("second_smallest", "nums: list", "int", "Return the second smallest distinct value of nums.", [("[4, 1, 3, 1]", "3")]),
+    ("bin_ones", "n: int", "int", "Return how many 1 bits the binary form of n has.", [("13", "3")]),
+    ("title_case", "text: str", "str", "Capitalize every word of text and lower-case the rest of each word.", [("'hELLO wORLD'", "'Hello World'")]),
+    ("rotate_left", "items: list, k: int", "list", "Rotate items left by k positions.", [("[1, 2, 3, 4], 1", "[2, 3, 4, 1]")]),
+    ("safe_divide", "a: float, b: float", "float", "Return a / b, or 0.0 when b is zero.", [("6.0, 3.0", "2.0"), ("1.0, 0.0", "0.0")]),
+    ("keep_positive", "nums: list", "list", "Return the strictly positive numbers of nums, in order.", [("[-2, 0, 5, 3]", "[5, 3]")]),
+    ("char_histogram", "text: str", "dict", "Count the letters of text, ignoring case and non-letters.", [("'Aab!'", "{'a': 2, 'b': 1}")]),
+    ("nearest_multiple", "n: int, m: int", "int", "Return the multiple of m closest to n (the larger one on a tie).", [("17, 5", "15"), ("18, 4", "20")]),
+    ("sum_of_squares", "n: int", "int", "Return 1*1 + 2*2 + ... + n*n.", [("3", "14")]),
+    ("matrix_trace", "m: list", "int", "Return the sum of the diagonal of a square matrix.", [("[[1, 2], [3, 4]]", "5")]),
+    ("dedupe_words", "text: str", "str", "Remove repeated words, keeping the first occurrence of each.", [("'a b a c b'", "'a b c'")]),
+    ("count_islands_1d", "cells: list", "int", "Count the groups of consecutive 1s in a list of 0s and 1s.", [("[1, 1, 0, 1, 0, 0, 1]", "3")]),
+    ("weekday_name", "k: int", "str", "Return the name of weekday k, where 0 is Monday.", [("0", "'Monday'"), ("6", "'Sunday'")]),
+    ("mean_absolute", "nums: list", "float", "Return the mean of the absolute values of nums.", [("[-2.0, 2.0, 5.0]", "3.0")]),
+]
+
+BOXED_REQUESTS = [
+    "Please think step by step and write the final answer in \\boxed{}.",
+    "Reason step by step, then give the final answer inside \\boxed{}.",
+    "Work through it step by step and put the final answer in a \\boxed{}.",
+    "Show your reasoning step by step; the final answer goes in \\boxed{}.",
+]
+STUB_WRAPPERS = [
+    "Complete the following Python function so that its examples pass:\n```python\n{stub}\n```",
+    "Write a solution to this problem and make sure the doctests pass:\n```python\n{stub}\n```",
+    "Implement the function below.\n```python\n{stub}\n```",
+    "Here is a function stub with examples. Write the full implementation:\n```python\n{stub}\n```",
+]
+STYLE_TAILS = ["", "", " Keep it under 150 words.", " Use a friendly tone.", " Format the answer as a bulleted list.",
+               " Answer in no more than three paragraphs.", " Make it engaging and vivid.", " Be concise."]
+
+
+def _latex(r: random.Random) -> str:
+    a, b, c, d = r.randint(2, 9), r.randint(2, 20), r.randint(1, 30), r.randint(1, 6)
+    n, k = r.randint(5, 12), r.randint(2, 4)
+    forms = [
+        f"If $f(x) = {a}x^2 - {b}x + {c}$, what is $f({d})$?",
+        f"Solve for $x$: $\\frac{{x}}{{{a}}} + {b} = {b + c}$.",
+        f"Find the slope of the line passing through $({a}, {b})$ and $({a + d}, {b + 2 * d + 1})$.",
+        f"How many positive divisors does ${a * b * d}$ have?",
+        f"What is the greatest common divisor of ${a * c}$ and ${a * b}$?",
+        f"Compute $\\binom{{{n}}}{{{k}}}$.",
+        f"Find the sum of the first ${n}$ terms of the arithmetic sequence ${a}, {a + d}, {a + 2 * d}, \\ldots$",
+        f"The sum of two numbers is ${b + c + 10}$ and their difference is ${abs(b - c) + 2}$. What is the larger number?",
+        f"What is the remainder when ${a * 1000 + b * 10 + c}$ is divided by ${d + 6}$?",
+        f"Find the distance between the points $({a}, {d})$ and $({a + 3 * k}, {d + 4 * k})$.",
+        f"Evaluate $\\log_{{{k}}} {k ** d}$.",
+        f"If ${a}x + {c} = {a + k}x - {b}$, what is the value of $x$?",
+        f"How many ways can ${min(n, 7)}$ people be arranged in a row?",
+        f"What is the probability of rolling a sum of ${k + 3}$ with two fair six-sided dice? Express your answer as a common fraction.",
+        f"Simplify $\\sqrt{{{a * a * b}}}$.",
+        f"Find all real solutions of $x^2 - {a + d}x + {a * d} = 0$.",
+        f"What is the value of ${a}^{k} - {d}^{k}$?",
+        f"A rectangle has perimeter ${2 * (a + b)}$ and one side of length ${a}$. What is its area?",
+        f"Find the least common multiple of ${a * d}$, ${b}$ and ${k + 1}$.",
+        f"What is ${a}\\%$ of ${b * 50}$?",
+    ]
+    return r.choice(forms)
+
+
+def _mathcot(r: random.Random) -> str:
+    base = r.choice([_math, _arith, _latex, _latex])(r)
+    base = re.sub(r" (Explain your reasoning step by step|Show your work)\.$", "", base)
+    return base + "\n" + r.choice(BOXED_REQUESTS)
+
+
+def _stub(spec) -> str:
+    name, params, ret, doc, examples = spec
+    lines = [f"def {name}({params}) -> {ret}:", f'    """ {doc}']
+    for args, out in examples:
+        lines += [f"    >>> {name}({args})", f"    {out}"]
+    lines.append('    """')
+    return "\n".join(lines) + "\n"
+
+
+def _pycode(r: random.Random) -> str:
+    if r.random() < 0.5:
+        spec = r.choice(FUNCTION_SPECS)
+        return r.choice(STUB_WRAPPERS).format(stub=_stub(spec))
+    task = r.choice(CODE_TASKS + MORE_CODE_TASKS)
+    verb, rest = task.split(" ", 1)
+    inf = f"{verb[:-1]} {rest}"
+    return r.choice([f"Write a python function to {inf}.", f"Write a Python function to {inf}.",
+                     f"Write a function to {inf}.", f"Write a python program to {inf}."])
+
+
+def _writing_v2(r: random.Random) -> str:
+    return _writing(r) + r.choice(STYLE_TAILS)
+
+
 _MAKERS = {"math": _math, "arith": _arith, "code": _code, "explain": _explain, "writing": _writing,
            "advice": _advice, "compare": _compare, "list": _list}
 _WEIGHTS = {"math": 4, "arith": 2, "code": 4, "explain": 3, "writing": 3, "advice": 2, "compare": 1, "list": 1}
+# mix v2: the same families plus the prompt styles the v1 set lacked (boxed-answer math with LaTeX
+# notation, "write a python function to ...", function stubs with doctests, length/tone requests)
+_MAKERS_V2 = dict(_MAKERS, mathcot=_mathcot, pycode=_pycode, writing=_writing_v2)
+_WEIGHTS_V2 = {"math": 2, "arith": 1, "mathcot": 5, "code": 2, "pycode": 5, "explain": 3, "writing": 3,
+               "advice": 2, "compare": 1, "list": 1}
+MIXES = ("v1", "v2")
 
 _BENCH_MARKERS = re.compile(r"def \w+\(.*\):\s*\n\s*\"\"\"|>>> ", re.S)
 
 
 def is_benchmark_text(text: str) -> bool:
-    """Cheap guard: HumanEval-style docstring stubs or doctests never belong to the training set."""
+    """The v1 guard: HumanEval-style docstring stubs or doctests are kept out altogether (v2
+    writes its own stubs and relies on :class:`BenchmarkFilter` instead)."""
     return bool(_BENCH_MARKERS.search(text))
+
+
+def _words(text: str) -> List[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class BenchmarkFilter:
+    """Decontamination against the benchmark prompts: a text is rejected when its normalized form
+    equals a benchmark turn or when it shares any ``n``-word shingle with one, except shingles that
+    occur in ``boilerplate`` or more different benchmark turns (instruction boilerplate such as a
+    "reason step by step" line, not problem content)."""
+
+    def __init__(self, bench_texts: List[str], n: int = 8, boilerplate: int = 3):
+        self.n = n
+        self.exact = {_norm(t) for t in bench_texts}
+        seen: Dict[tuple, int] = {}
+        for t in set(bench_texts):
+            for g in set(self._shingles(t)):
+                seen[g] = seen.get(g, 0) + 1
+        self.shingles = {g for g, c in seen.items() if c < boilerplate}
+
+    def _shingles(self, text: str):
+        w = _words(text)
+        return [tuple(w[i:i + self.n]) for i in range(len(w) - self.n + 1)]
+
+    def matches(self, text: str) -> bool:
+        if _norm(text) in self.exact:
+            return True
+        return any(g in self.shingles for g in self._shingles(text))
 
 
 def _norm(s: str) -> str:
@@ -225,28 +392,44 @@ def _norm(s: str) -> str:
 
 
 def build_instructions(n: int, seed: int = 0, multiturn_frac: float = 0.12, chat_frac: float = 0.04,
-                       exclude: Optional[List[str]] = None) -> List[Instruction]:
+                       exclude: Optional[List[str]] = None, mix: str = "v1",
+                       avoid: Optional[List[str]] = None) -> List[Instruction]:
     """``n`` distinct instructions (fewer if the templates run out), deterministic for ``seed``.
 
-    ``exclude``: texts that must not appear (e.g. every benchmark prompt); a generated prompt whose
-    normalized text equals one of them is dropped."""
+    ``exclude``: the benchmark turns.  Mix ``v1`` (what the shipped drafter was trained on) drops a
+    prompt whose normalized text equals one of them and never makes stubs or doctests; mix ``v2``
+    adds the v2 families and rejects anything :class:`BenchmarkFilter` matches (equal text or a
+    shared 8-word shingle that is not instruction boilerplate).  ``avoid``: prompts an earlier
+    dataset already has (normalized-text match), so a second dataset adds new ones."""
+    if mix not in MIXES:
+        raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
     r = random.Random(seed)
-    banned = {_norm(t) for t in (exclude or [])}
-    seen = set()
+    makers, weights = (_MAKERS, _WEIGHTS) if mix == "v1" else (_MAKERS_V2, _WEIGHTS_V2)
+    if mix == "v1":
+        banned = {_norm(t) for t in (exclude or [])}
+
+        def rejected(text: str) -> bool:
+            return _norm(text) in banned or is_benchmark_text(text)
+    else:
+        filt = BenchmarkFilter(list(exclude or []))
+        rejected = filt.matches
+    seen = {_norm(t) for t in (avoid or [])}
     out: List[Instruction] = []
-    kinds = [k for k, w in _WEIGHTS.items() for _ in range(w)]
+    kinds = [k for k, w in weights.items() for _ in range(w)]
     for c in CHAT:
         if len(out) >= int(n * chat_frac) + 1:
             break
+        if _norm(c) in seen:
+            continue
         out.append(Instruction("chat", [{"role": "user", "content": c}]))
         seen.add(_norm(c))
     tries = 0
     while len(out) < n and tries < n * 50:
         tries += 1
         kind = r.choice(kinds)
-        text = _MAKERS[kind](r)
+        text = makers[kind](r)
         key = _norm(text)
-        if key in seen or key in banned or is_benchmark_text(text):
+        if key in seen or rejected(text):
             continue
         seen.add(key)
         follow = r.choice(FOLLOWUPS) if r.random() < multiturn_frac else None

@@ -37,6 +37,8 @@ class PipelineConfig:
     weights_type: str = "f16"
     train_head: bool = False
     eval_every_nth: int = 30
+    mix: str = "v1"
+    extra_data: List[str] = field(default_factory=list)   # earlier work dirs: trained on, not regenerated
     gen: GenConfig = field(default_factory=GenConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -66,7 +68,15 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
     work.mkdir(parents=True, exist_ok=True)
     result: dict = {}
     bench = benchmark_texts(prompt_dir)
-    instructions = build_instructions(cfg.n_prompts, seed=cfg.seed, exclude=bench)
+    avoid = []
+    for e in cfg.extra_data:
+        ins_file = Path(e) / "instructions.jsonl"
+        if not (Path(e) / "data").is_dir():
+            raise FileNotFoundError(f"{e}: not a training work directory (no data/)")
+        if ins_file.exists():
+            avoid += [m["content"] for line in ins_file.read_text().splitlines() if line.strip()
+                      for m in json.loads(line)["messages"]]
+    instructions = build_instructions(cfg.n_prompts, seed=cfg.seed, exclude=bench, mix=cfg.mix, avoid=avoid)
     with open(work / "instructions.jsonl", "w") as f:
         for i, ins in enumerate(instructions):
             f.write(json.dumps({"id": i, "source": ins.source, "messages": ins.messages,
@@ -74,8 +84,8 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
     counts = {}
     for ins in instructions:
         counts[ins.source] = counts.get(ins.source, 0) + 1
-    card = {"sources": SOURCES, "counts": counts, "n": len(instructions),
-            "benchmark_turns_excluded": len(bench), "seed": cfg.seed}
+    card = {"sources": SOURCES, "counts": counts, "n": len(instructions), "mix": cfg.mix,
+            "benchmark_turns_excluded": len(bench), "seed": cfg.seed, "extra_data": list(cfg.extra_data)}
     (work / "data_card.json").write_text(json.dumps(card, indent=1))
     ti = read_target_info(target_path)
     layers = default_target_layers(ti.n_layer)
@@ -105,6 +115,8 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
         from .trainer import Batcher, select_vocab, train
 
         recs = load_records(work / "data")
+        for e in cfg.extra_data:
+            recs += load_records(Path(e) / "data")
         if not recs:
             raise RuntimeError(f"no training data in {work / 'data'}: run the data stage first")
         vpath = work / "vocab.npy"
@@ -181,7 +193,8 @@ def _model_card(target_path: str, work: Path, cfg: PipelineConfig, spec, recs, d
             seconds += last
         last = r["elapsed_s"]
     seconds += last
-    data_bytes = sum(f.stat().st_size for f in (work / "data").glob("shard-*.npz"))
+    data_bytes = sum(f.stat().st_size for d in [work] + [Path(e) for e in cfg.extra_data]
+                     for f in (d / "data").glob("shard-*.npz"))
     return {
         "target": {"file": os.path.basename(target_path), "bytes": os.path.getsize(target_path)},
         "draft": spec.to_dict() | {"vocab_draft": int(len(d2t)), "vocab_coverage_of_responses": round(float(covered), 4)},
