@@ -11,7 +11,6 @@ HTTP front end does not know which one it drives.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -19,13 +18,13 @@ from typing import Dict, Optional
 
 from .batch import Started
 from .engine import Done
-from .slots import Cancelled, Job, _deliver
+from .slots import Cancelled, Job, JobQueue, _deliver
 from .timings import timing_log_lines
 
 log = logging.getLogger("pyllama_dspark.server")
 
 
-class BatchedPool:
+class BatchedPool(JobQueue):
     """``n_slots`` concurrent requests decoded together by one BatchDecoder.
 
     ``sp``: a :class:`~.api.Speculator` opened with ``n_seq=n_slots`` (it owns the contexts and
@@ -37,13 +36,8 @@ class BatchedPool:
         self.sp = sp
         self._bd = BatchDecoder(sp.target, sp.proposer if sp.draft is not None else None, n_max=n_max,
                                 policy=policy, streaming=True)
-        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self._task_ids = itertools.count()
-        self._lock = threading.Lock()
+        self._init_jobs()
         self._running: Dict[int, Job] = {}     # rid -> job
-        self.n_done = 0
-        self.n_cancelled = 0
-        self._closed = False
         self._thread = threading.Thread(target=self._work, name="dspark-batch", daemon=True)
         self._thread.start()
 
@@ -62,22 +56,11 @@ class BatchedPool:
         return int(self._bd.n_ctx_seq)
 
     @property
-    def n_queued(self) -> int:
-        return self._queue.qsize()
-
-    @property
     def n_busy(self) -> int:
         with self._lock:
             return min(len(self._running), self.n_slots)
 
     # ---- jobs --------------------------------------------------------------------------------------
-    def submit(self, job: Job) -> Job:
-        if self._closed:
-            raise RuntimeError("the slot pool is closed")
-        job.task_id = next(self._task_ids)
-        self._queue.put(job)
-        return job
-
     def close(self) -> None:
         if self._closed:
             return
@@ -167,12 +150,6 @@ class BatchedPool:
                     self._count()
                 _deliver(job, ev)
 
-    def _count(self, cancelled: bool = False) -> None:
-        with self._lock:
-            if cancelled:
-                self.n_cancelled += 1
-            else:
-                self.n_done += 1
 
 
 def open_batched_pool(target: str, draft: Optional[str], *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int,

@@ -3,8 +3,8 @@
 llama-server's ``-np N`` gives N slots; a request waits in the queue until a slot is free.  Here a
 slot is a thread with its own target + draft contexts (the GGUF weights are memory-mapped, so the
 N copies share the model pages).  llama.cpp calls release the GIL, so the slots really decode
-concurrently; batching the slots' verify steps into one target decode is the scheduler's job and
-plugs in behind the same :class:`SlotPool` interface.
+concurrently.  This is ``serve -np N -nocb``; by default N > 1 slots are decoded together by one
+batched decoder behind the same interface (:class:`~.batch_pool.BatchedPool`).
 
 A :class:`Job` carries a cancel flag (a client that went away): a queued job is dropped when a slot
 takes it, a running one stops at the next cycle boundary, and the slot is free again.  Events
@@ -51,7 +51,37 @@ class Job:
         return self.cancel_event.is_set()
 
 
-class SlotPool:
+class JobQueue:
+    """What every pool shares: the FIFO of jobs, task ids, counters and the lock over them."""
+
+    def _init_jobs(self) -> None:
+        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._task_ids = itertools.count()
+        self._lock = threading.Lock()
+        self.n_done = 0
+        self.n_cancelled = 0
+        self._closed = False
+
+    @property
+    def n_queued(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> Job:
+        if self._closed:
+            raise RuntimeError("the slot pool is closed")
+        job.task_id = next(self._task_ids)
+        self._queue.put(job)
+        return job
+
+    def _count(self, cancelled: bool = False) -> None:
+        with self._lock:
+            if cancelled:
+                self.n_cancelled += 1
+            else:
+                self.n_done += 1
+
+
+class SlotPool(JobQueue):
     """``n_slots`` workers over Speculators made by ``factory(slot_index)``."""
 
     def __init__(self, factory: Callable[[int], Any], n_slots: int = 1):
@@ -65,16 +95,11 @@ class SlotPool:
             for sp in self.speculators:
                 sp.close()
             raise
-        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self._task_ids = itertools.count()
-        self._lock = threading.Lock()
+        self._init_jobs()
         self.busy = [False] * len(self.speculators)
         self._running: List[Optional[Job]] = [None] * len(self.speculators)
-        self.n_done = 0
-        self.n_cancelled = 0
         self._threads = [threading.Thread(target=self._work, args=(i,), name=f"dspark-slot-{i}", daemon=True)
                          for i in range(len(self.speculators))]
-        self._closed = False
         for t in self._threads:
             t.start()
 
@@ -93,21 +118,11 @@ class SlotPool:
         return int(self.front.target.n_ctx)
 
     @property
-    def n_queued(self) -> int:
-        return self._queue.qsize()
-
-    @property
     def n_busy(self) -> int:
         with self._lock:
             return sum(self.busy)
 
     # ---- jobs --------------------------------------------------------------------------------------
-    def submit(self, job: Job) -> Job:
-        if self._closed:
-            raise RuntimeError("the slot pool is closed")
-        job.task_id = next(self._task_ids)
-        self._queue.put(job)
-        return job
 
     def close(self) -> None:
         if self._closed:
@@ -184,12 +199,6 @@ class SlotPool:
         finally:
             gen.close()
 
-    def _count(self, cancelled: bool = False) -> None:
-        with self._lock:
-            if cancelled:
-                self.n_cancelled += 1
-            else:
-                self.n_done += 1
 
 
 def _deliver(job: Job, ev: Any) -> None:

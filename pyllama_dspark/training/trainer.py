@@ -20,13 +20,13 @@ import os
 import time
 from dataclasses import dataclass, asdict
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 import torch
 
 from .datagen import Record
-from .model import DSparkDraft, DraftSpec
+from .model import DSparkDraft
 
 __all__ = ["TrainConfig", "select_vocab", "Batcher", "block_losses", "train", "evaluate_records"]
 
