@@ -46,6 +46,12 @@ class CostModel:
         if d.size == 0 or np.any(d < 0):
             raise ValueError("draft_ms must be non-negative")
         self.draft_ms = d
+        if v.size >= 2:  # least-squares slope over the last half of the table (one jag cannot flatten it)
+            k = max(2, (v.size + 1) // 2)
+            x = np.arange(v.size - k, v.size, dtype=np.float64)
+            self._slope = max(0.0, float(np.polyfit(x, v[-k:], 1)[0]))
+        else:
+            self._slope = float(v[-1])
 
     def t_verify(self, b: int) -> float:
         if b < 1:
@@ -53,13 +59,11 @@ class CostModel:
         v = self.verify_ms
         if b <= v.size:
             return float(v[b - 1])
-        if v.size >= 2:  # least-squares slope over the last half of the table (one jag cannot flatten it)
-            k = max(2, (v.size + 1) // 2)
-            x = np.arange(v.size - k, v.size, dtype=np.float64)
-            slope = max(0.0, float(np.polyfit(x, v[-k:], 1)[0]))
-        else:
-            slope = float(v[-1])
-        return float(v[-1] + slope * (b - v.size))
+        return float(v[-1] + self._slope * (b - v.size))
+
+    def t_verify_range(self, b0: int, b1: int) -> np.ndarray:
+        """t_verify(b) for b = b0..b1 as an array."""
+        return np.asarray([self.t_verify(b) for b in range(b0, b1 + 1)], dtype=np.float64)
 
     def t_draft(self, n_seqs: int) -> float:
         if n_seqs <= 0:
@@ -117,18 +121,17 @@ def _theta(tau: float, b: int, cost: CostModel, t_fixed: float) -> float:
     return tau / ((cost.t_verify(b) + t_fixed) / 1e3)
 
 
-def _can_pay(tau: float, b: int, a: float, remaining: int, cost: CostModel, t_fixed: float,
+def _can_pay(tau: float, b: int, a: float, remaining: int, t_ahead: np.ndarray, t_fixed: float,
              current: float) -> bool:
     """Could admitting this candidate (survival ``a``) and up to ``remaining - 1`` more raise Theta
     above ``current``?  Every later candidate has survival <= a (the order is descending), so
     ``tau + m * a`` bounds the tokens of m admissions: the test reads the cost curve ahead but no
     survival beyond this candidate's.  On a convex cost curve (increasing marginal cost) it is the
     paper's one-step test; on a jagged one (a slow batch size between fast ones) it can cross the
-    slow step."""
-    for m in range(1, remaining + 1):
-        if _theta(tau + m * a, b + m, cost, t_fixed) > current:
-            return True
-    return False
+    slow step.  ``t_ahead[m - 1]`` = t_verify(b + m)."""
+    m = np.arange(1, remaining + 1, dtype=np.float64)
+    theta = (tau + m * a) / ((t_ahead[:remaining] + t_fixed) / 1e3)
+    return bool(np.any(theta > current))
 
 
 def schedule(surv: Sequence[Sequence[float]], cost: CostModel, *, drafted: bool = True,
@@ -155,10 +158,11 @@ def schedule(surv: Sequence[Sequence[float]], cost: CostModel, *, drafted: bool 
     # how many positions could still be admitted: the drafted count, not how many have a > 0 (that
     # would read later survivals)
     n_positions = sum(len(s) for s in surv)
+    t_all = cost.t_verify_range(R + 1, R + n_positions) if n_positions else np.zeros(0)   # t(B) for B = R+1..
     for i, (a, r, j) in enumerate(_candidates(surv)):
         if j != lengths[r] + 1:   # survival is non-increasing: only happens on exact ties; keep prefixes
             break
-        if not _can_pay(tau, b, a, n_positions - i, cost, t_fixed, theta):
+        if not _can_pay(tau, b, a, n_positions - i, t_all[b - R:], t_fixed, theta):
             break
         lengths[r] = j
         b += 1
