@@ -89,6 +89,17 @@ class BatchDecoder:
                 and not self.prop.meta.has_confidence):
             raise ValueError(f"the {self.policy.mode} schedule needs a draft with a confidence head")
         self.streaming = streaming
+        # every sequence's verify rows go into one target decode (and its block into one draft
+        # decode): llama.cpp aborts on a batch larger than n_batch, so refuse the settings here
+        rows = self.n_slots * (self.n_max + 1)
+        if rows > target.n_batch:
+            raise ValueError(f"{self.n_slots} sequences x {self.n_max + 1} verify rows = {rows} exceeds the "
+                             f"target's n_batch {target.n_batch}: raise n_batch or lower n_max / the slots")
+        if isinstance(self.prop, DraftModelProposer):
+            blocks = self.n_slots * (self.n_max + self.prop.offset)
+            if blocks > self.prop.draft.n_batch:
+                raise ValueError(f"{self.n_slots} draft blocks of {self.n_max + self.prop.offset} rows exceed the "
+                                 f"draft's n_batch {self.prop.draft.n_batch}")
         self.n_ctx_seq = target.n_ctx // self.n_slots
         self.eog = target.eog_mask
         self._free = list(range(self.n_slots))[::-1]
@@ -244,10 +255,12 @@ class BatchDecoder:
             dr, cf, qq = self._draft_all([act[r] for r in room])
             for r, d_, c_, q_ in zip(room, dr, cf, qq):
                 drafts[r], confs[r], qs[r] = d_[:limits[r]], c_, q_
-            self.policy.observe_draft(len(room), (time.perf_counter() - t0) * 1e3)
         t1 = time.perf_counter()
         # 3. verify lengths
         lengths = self.policy.lengths(confs, [len(d) for d in drafts]) if self.prop is not None else [0] * R
+        if any(len(d) for d in drafts):
+            # after the cut: at T > 0 the pass's time depends on the drafted tokens themselves
+            self.policy.observe_draft(len(room), (t1 - t0) * 1e3)
         # 4. one target decode with every sequence's verify rows
         rows_tok, rows_pos, rows_seq, offs = [], [], [], []
         for s, d, l in zip(act, drafts, lengths):
@@ -292,11 +305,12 @@ class BatchDecoder:
             s.anchor = emitted[-1]
             self._emit(s, emitted)
         t3 = time.perf_counter()
+        inject_share = ((t3 - t2) * 1e3 - sum(ms_sample)) / R
         for r, s in enumerate(act):
             s.stats.ms_draft += (t1 - t0) * 1e3 / R
             s.stats.ms_verify += (t2 - t1) * 1e3 / R
             s.stats.ms_sample += ms_sample[r]
-            s.stats.ms_inject += (t3 - t2) * 1e3 / R - ms_sample[r]
+            s.stats.ms_inject += inject_share
         self.steps += 1
         still = []
         for s in act:

@@ -66,7 +66,9 @@ class BatchedPool(JobQueue):
             return
         self._closed = True
         self._queue.put(None)
-        self._thread.join(timeout=60)
+        # no timeout: the worker stops at the next step boundary, and the contexts must not be
+        # freed under a decode that is still running
+        self._thread.join()
         while True:   # whatever the worker did not take
             try:
                 j = self._queue.get_nowait()
@@ -93,63 +95,79 @@ class BatchedPool(JobQueue):
             self._running[rid] = job
 
     def _work(self) -> None:
-        bd = self._bd
         stop = False
         while not stop:
-            # new jobs: wait for one when idle, otherwise take what has arrived
-            while True:
-                try:
-                    job = self._queue.get(block=bd.pending() == 0 and not stop)
-                except queue.Empty:
-                    break
-                if job is None:
-                    stop = True
-                    break
-                self._take(job)
-            with self._lock:
-                running = list(self._running.items())
-            for rid, job in running:
-                if job.cancelled or stop:
-                    bd.cancel(rid)
-                    with self._lock:
-                        self._running.pop(rid, None)
-                    self._count(cancelled=True)
-                    if job.slot >= 0:
-                        log.info("slot  cancel_task: id %2d | task %d | cancelled by the client", job.slot, job.task_id)
-                        log.info("slot      release: id %2d | task %d | stop processing", job.slot, job.task_id)
-                    _deliver(job, Cancelled("cancelled" if not stop else "server shutting down"))
-            if stop or bd.pending() == 0:
-                continue
             try:
-                bd.step()
-            except BaseException as e:   # never let one failure kill the worker: fail the running jobs
-                log.error("batch step failed: %s", e)
-                with self._lock:
-                    running, self._running = list(self._running.items()), {}
-                for rid, job in running:
-                    bd.cancel(rid)
-                    _deliver(job, e)
-                bd.poll()
-                continue
-            for rid, ev in bd.poll():
-                with self._lock:
-                    job = self._running.get(rid)
-                    if job is not None and isinstance(ev, Done):
-                        self._running.pop(rid, None)
-                if job is None:
-                    continue
-                if isinstance(ev, Started):
-                    job.slot = ev.slot
-                    log.info("slot launch_slot_: id %2d | task %d | processing task (%d prompt tokens)",
-                             ev.slot, job.task_id, len(job.prompt_tokens))
-                    continue
-                if isinstance(ev, Done):
-                    for line in timing_log_lines(job.slot, job.task_id, ev.stats):
-                        log.info(line)
-                    log.info("slot      release: id %2d | task %d | stop processing", job.slot, job.task_id)
-                    self._count()
-                _deliver(job, ev)
+                stop = self._cycle()
+            except BaseException as e:   # never let the worker die with jobs waiting on it
+                log.error("batch worker error: %s", e)
+                self._fail_running(e)
 
+    def _fail_running(self, e: BaseException) -> None:
+        with self._lock:
+            running, self._running = list(self._running.items()), {}
+        for rid, job in running:
+            try:
+                self._bd.cancel(rid)
+            except Exception:   # the decoder is broken: the job still gets its error
+                pass
+            _deliver(job, e)
+        self._bd.poll()
+
+    def _cycle(self) -> bool:
+        """Take new jobs, drop cancelled ones, run one step, deliver its events; True to stop."""
+        bd = self._bd
+        stop = False
+        # new jobs: wait for one when idle, otherwise take what has arrived
+        while True:
+            try:
+                job = self._queue.get(block=bd.pending() == 0)
+            except queue.Empty:
+                break
+            if job is None:
+                stop = True
+                break
+            self._take(job)
+        with self._lock:
+            running = list(self._running.items())
+        for rid, job in running:
+            if job.cancelled or stop:
+                bd.cancel(rid)
+                with self._lock:
+                    self._running.pop(rid, None)
+                self._count(cancelled=True)
+                why = "cancelled by the client" if job.cancelled else "cancelled: server shutting down"
+                if job.slot >= 0:
+                    log.info("slot  cancel_task: id %2d | task %d | %s", job.slot, job.task_id, why)
+                    log.info("slot      release: id %2d | task %d | stop processing", job.slot, job.task_id)
+                _deliver(job, Cancelled("cancelled" if job.cancelled else "server shutting down"))
+        if stop or bd.pending() == 0:
+            return stop
+        try:
+            bd.step()
+        except BaseException as e:   # one failed step fails the running jobs, not the server
+            log.error("batch step failed: %s", e)
+            self._fail_running(e)
+            return False
+        for rid, ev in bd.poll():
+            with self._lock:
+                job = self._running.get(rid)
+                if job is not None and isinstance(ev, Done):
+                    self._running.pop(rid, None)
+            if job is None:
+                continue
+            if isinstance(ev, Started):
+                job.slot = ev.slot
+                log.info("slot launch_slot_: id %2d | task %d | processing task (%d prompt tokens)",
+                         ev.slot, job.task_id, len(job.prompt_tokens))
+                continue
+            if isinstance(ev, Done):
+                for line in timing_log_lines(job.slot, job.task_id, ev.stats):
+                    log.info(line)
+                log.info("slot      release: id %2d | task %d | stop processing", job.slot, job.task_id)
+                self._count()
+            _deliver(job, ev)
+        return False
 
 
 def open_batched_pool(target: str, draft: Optional[str], *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int,

@@ -326,13 +326,14 @@ class SpecDecoder:
                     proposal = _propose_sampled(prop, anchor, pos0, n_max, smp, seq)
                     drafts = np.asarray(proposal.tokens[:n_draft_max], dtype=np.int32)
                     q = proposal.probs
-                if pol is not None:
-                    pol.observe_draft(1, (clock() - t1) * 1e3)
+                t_drafted = clock()
                 if pol is not None and pol.mode != "off" and len(drafts):
                     ell = pol.lengths([proposal.confidence], [len(drafts)])[0]
                     drafts = drafts[:ell]
                     if q is not None:
                         q = q[:ell]
+                if pol is not None:   # after the cut: at T > 0 the time depends on the drafted tokens
+                    pol.observe_draft(1, (t_drafted - t1) * 1e3)
             t2 = clock()
             k = len(drafts)
             v = self._verify[:k + 1]

@@ -104,6 +104,12 @@ def test_policy_refuses_bad_settings(target_path, dflash_draft_path):
     with t:
         with pytest.raises(ValueError, match="confidence head"):
             BatchDecoder(t, d, policy=VerifyPolicy(mode="static", conf_min=0.3))
+    # 3 sequences x 8 verify rows do not fit a 16-token batch: refused before llama.cpp sees it
+    s = ContextSettings(n_ctx=512 * 3, n_batch=16, n_ubatch=16, n_threads=THREADS, n_seq_max=3)
+    with Target(target_path, s) as t:
+        with pytest.raises(ValueError, match="n_batch"):
+            BatchDecoder(t, OracleProposer([1, 2, 3], t.n_vocab), n_max=7)
+        BatchDecoder(t, OracleProposer([1, 2, 3], t.n_vocab), n_max=4)   # 3 x 5 rows fit
 
 
 def test_batched_sampling_equals_each_sequences_own_sampling(target_path, refs):
