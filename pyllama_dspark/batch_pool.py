@@ -172,14 +172,15 @@ class BatchedPool(JobQueue):
 
 def open_batched_pool(target: str, draft: Optional[str], *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int,
                       threads, flash_attn: str, n_gpu_layers: int, n_max: int, verbose: bool = False,
-                      policy=None) -> BatchedPool:
-    """A Speculator with ``n_slots`` sequences of ``n_ctx`` tokens each, wrapped in a BatchedPool."""
+                      policy_factory=None) -> BatchedPool:
+    """A Speculator with ``n_slots`` sequences of ``n_ctx`` tokens each, wrapped in a BatchedPool;
+    ``policy_factory(sp)``: the VerifyPolicy of its decoder (None: verify every draft)."""
     from .api import Speculator
 
     sp = Speculator(target, draft, n_ctx=n_ctx * n_slots, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                     flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose, n_seq=n_slots)
     try:
-        return BatchedPool(sp, n_max=n_max, policy=policy)
+        return BatchedPool(sp, n_max=n_max, policy=policy_factory(sp) if policy_factory else None)
     except BaseException:
         sp.close()
         raise

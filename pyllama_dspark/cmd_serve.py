@@ -8,6 +8,7 @@ import warnings
 
 import click
 
+from .cli_sched import make_policy, with_schedule_options
 from .errors import DSparkError
 
 
@@ -81,8 +82,10 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 @click.option("--min-p", type=float, default=0.05, show_default=True)
 @click.option("-s", "--seed", type=int, default=-1, show_default=True, help="Default seed (-1: random).")
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
+@with_schedule_options
 def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_ctx, n_batch, n_ubatch, threads, flash_attn,
-          n_gpu_layers, api_key, alias, temperature, top_k, top_p, min_p, seed, verbose):
+          n_gpu_layers, api_key, alias, temperature, top_k, top_p, min_p, seed, verbose, schedule, conf_min,
+          p_survival_min, calibration, profile_path):
     """OpenAI-compatible server (llama-server's endpoints, timings and draft-acceptance log)."""
     try:
         import uvicorn
@@ -100,6 +103,11 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log = logging.getLogger("pyllama_dspark.server")
     target = model or default_target()
+
+    def policy_for(sp):   # --schedule ...: one policy per decoder (its running estimates are its own)
+        return make_policy(sp, schedule, conf_min, p_survival_min, calibration, profile_path,
+                           gamma=min(n_max, sp.proposer.max_draft()) if sp.draft is not None else n_max)
+
     try:
         draft = resolve_draft(target, draft, spec_type)
         if n_slots > 1 and cont_batching:
@@ -107,11 +115,17 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
 
             pool = open_batched_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                                      threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
-                                     verbose=verbose)
+                                     verbose=verbose, policy_factory=policy_for)
         else:
             pool = build_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                               threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
                               verbose=verbose)
+            try:
+                for sp_i in pool.speculators:
+                    sp_i.decoder.policy = policy_for(sp_i)
+            except BaseException:
+                pool.close()
+                raise
     except (DSparkError, ValueError, OSError) as e:
         raise click.ClickException(str(e))
     defaults = dict(LLAMA_SERVER_SAMPLING, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)

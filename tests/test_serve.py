@@ -378,3 +378,22 @@ def test_api_key(target_path, tmp_path):
         assert SESSION.get(srv.url + "/v1/models", headers={"X-Api-Key": "sekrit"}, timeout=30).status_code == 200
     finally:
         srv.stop()
+
+
+def test_scheduled_verification_on_the_batched_server(target_path, bigram_draft, local, tmp_path):
+    """``serve -np 2 --conf-min``: the batched decoder cuts each block at the first low confidence;
+    greedy output stays the target's own; a bad schedule setting is a clear startup error."""
+    srv = ServeProcess(target_path, bigram_draft, tmp_path / "serve-sched.log", n_slots=2, n_ctx=N_CTX,
+                       extra=["--conf-min", "0.3"])
+    try:
+        texts = ["Explain the Pythagorean theorem.", "Name three fruits."]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as ex:
+            outs = list(ex.map(lambda p: srv.post("/v1/chat/completions", _chat_body(p)).json(), texts))
+        for p, o in zip(texts, outs):
+            assert o["choices"][0]["message"]["content"] == local.generate(p, N_TOK, chat=True).text
+            _check_timings(o["timings"], o["usage"])
+    finally:
+        srv.stop()
+    with pytest.raises(RuntimeError, match="needs --conf-min"):
+        ServeProcess(target_path, bigram_draft, tmp_path / "serve-bad.log", n_slots=2, n_ctx=N_CTX,
+                     extra=["--schedule", "static"], startup_timeout=60)

@@ -37,7 +37,7 @@ class PipelineConfig:
     weights_type: str = "f16"
     train_head: bool = False
     eval_every_nth: int = 30
-    mix: str = "v1"
+    mix: str = "v2"
     extra_data: List[str] = field(default_factory=list)   # earlier work dirs: trained on, not regenerated
     gen: GenConfig = field(default_factory=GenConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
