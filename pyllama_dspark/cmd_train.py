@@ -40,9 +40,12 @@ import click
 @click.option("--extra-data", "extra", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Work directory of an earlier run: its responses are trained on too and its "
                    "instructions are not generated again (repeatable).")
+@click.option("--init-from", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Warm start: a work directory whose checkpoint, vocabulary and feature scale start "
+                   "training here (training continues at its step; --steps counts from 0).")
 def train_cmd(target, out, work_dir, stages, n_prompts, slots, max_new, sampled_frac, vocab_size, n_layers,
               markov_rank, block_size, steps, max_minutes, seqs_per_step, anchors, lr, train_head, weights_type,
-              threads, seed, mix, extra):
+              threads, seed, mix, extra, init_from):
     """Train a DSpark drafter: prompts -> target responses + features -> training -> GGUF.
 
     The instruction set is generated from templates (no benchmark text); responses come from the
@@ -68,6 +71,7 @@ def train_cmd(target, out, work_dir, stages, n_prompts, slots, max_new, sampled_
         n_prompts=n_prompts, seed=seed, vocab_size=vocab_size, n_layers=n_layers, markov_rank=markov_rank,
         block_size=block_size, weights_type=weights_type, train_head=train_head, mix=mix,
         extra_data=[str(Path(e).resolve()) for e in extra],
+        init_from=str(Path(init_from).resolve()) if init_from else None,
         gen=GenConfig(slots=slots, max_new=max_new, sampled_frac=sampled_frac, n_threads=threads, seed=seed),
         train=TrainConfig(steps=steps, max_minutes=max_minutes, seqs_per_step=seqs_per_step,
                           anchors_per_seq=anchors, lr=lr, threads=threads, seed=seed,

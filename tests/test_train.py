@@ -112,6 +112,32 @@ def test_training_resumes_from_checkpoint(smoke, target_path):
     assert steps == [1, 2, 3, 4, 5]
 
 
+def test_second_run_trains_on_both_datasets_from_a_warm_start(smoke, target_path, tmp_path):
+    """--extra-data + --init-from: the second run's data stage skips the first run's instructions,
+    training starts from its checkpoint and vocabulary and sees both datasets."""
+    import dataclasses
+
+    from pyllama_dspark.prompts import default_prompt_dir
+    from pyllama_dspark.training.datagen import load_records
+
+    first, _, _ = smoke
+    work2 = tmp_path / "second"
+    cfg = dataclasses.replace(_smoke_cfg(steps=8), n_prompts=4, seed=4, extra_data=[str(first)], init_from=str(first))
+    out2 = work2 / "draft2.gguf"
+    run_pipeline(target_path, work2, str(out2), cfg, echo=lambda s: None, prompt_dir=default_prompt_dir())
+    ins1 = {json.loads(line)["messages"][0]["content"] for line in (first / "instructions.jsonl").read_text().splitlines()}
+    ins2 = {json.loads(line)["messages"][0]["content"] for line in (work2 / "instructions.jsonl").read_text().splitlines()}
+    assert ins2 and not ins1 & ins2
+    assert np.array_equal(np.load(work2 / "vocab.npy"), np.load(first / "vocab.npy"))
+    steps = [json.loads(line)["step"] for line in (work2 / "train" / "train_log.jsonl").read_text().splitlines()]
+    first_steps = [json.loads(line)["step"] for line in (first / "train" / "train_log.jsonl").read_text().splitlines()]
+    assert steps[0] == first_steps[-1] + 1 and steps[-1] == 8
+    card = json.loads(out2.with_suffix(".json").read_text())
+    n1, n2 = len(load_records(first / "data")), len(load_records(work2 / "data"))
+    assert card["data"]["sequences"] == n1 + n2 and n2 > 0
+    assert card["training"]["warm_start_from"] == str(first)
+
+
 def test_records_align_features_logits_and_tokens(smoke, target_path):
     """A greedy record's stored argmax is the token that follows; its features equal a fresh
     prefill's capture (different batch composition: float rounding only)."""

@@ -39,6 +39,7 @@ class PipelineConfig:
     eval_every_nth: int = 30
     mix: str = "v2"
     extra_data: List[str] = field(default_factory=list)   # earlier work dirs: trained on, not regenerated
+    init_from: Optional[str] = None   # a work dir whose checkpoint (+ vocabulary, feature scale) starts training
     gen: GenConfig = field(default_factory=GenConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -114,9 +115,10 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
         from .datagen import load_records
         from .trainer import Batcher, select_vocab, train
 
-        recs = load_records(work / "data")
-        for e in cfg.extra_data:
-            recs += load_records(Path(e) / "data")
+        # earlier runs first: their records keep their indices, so their held-out split stays held out
+        recs = [r for e in cfg.extra_data for r in load_records(Path(e) / "data")] + load_records(work / "data")
+        if cfg.init_from:
+            _warm_start(Path(cfg.init_from), work)
         if not recs:
             raise RuntimeError(f"no training data in {work / 'data'}: run the data stage first")
         vpath = work / "vocab.npy"
@@ -178,6 +180,24 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
     return result
 
 
+def _warm_start(src: Path, work: Path) -> None:
+    """Copy an earlier run's checkpoint, vocabulary and feature scale into ``work`` (once: an
+    existing checkpoint here is resumed instead).  Training continues at that run's step with this
+    run's schedule and data."""
+    import shutil
+
+    ck = work / "train" / "ckpt.pt"
+    if ck.exists():
+        return
+    if not (src / "train" / "ckpt.pt").exists():
+        raise FileNotFoundError(f"{src}: no train/ckpt.pt to start from")
+    (work / "train").mkdir(parents=True, exist_ok=True)
+    for name in ("vocab.npy", "feature_scale.npy"):
+        if (src / name).exists():
+            shutil.copyfile(src / name, work / name)
+    shutil.copyfile(src / "train" / "ckpt.pt", ck)
+
+
 def _model_card(target_path: str, work: Path, cfg: PipelineConfig, spec, recs, d2t, covered: float) -> dict:
     """What the exported draft is and how it was made (shipped next to the GGUF)."""
     import os
@@ -203,6 +223,7 @@ def _model_card(target_path: str, work: Path, cfg: PipelineConfig, spec, recs, d
                  "response_tokens": int(sum(len(r.tokens) - r.n_prompt for r in recs)),
                  "tokens": int(sum(len(r.tokens) for r in recs)), "shard_bytes": int(data_bytes)},
         "training": {"config": asdict(cfg.train), "steps_done": log[-1]["step"] if log else 0,
+                     "warm_start_from": cfg.init_from,
                      "seconds": round(seconds, 1),
                      "eval_tau_teacher_forced": [(r["step"], round(r["tau_eval"], 4)) for r in evals],
                      "final_eval_slot_acc": evals[-1]["slot_acc_eval"] if evals else None},
