@@ -69,14 +69,7 @@ class BatchedPool(JobQueue):
         # no timeout: the worker stops at the next step boundary, and the contexts must not be
         # freed under a decode that is still running
         self._thread.join()
-        while True:   # whatever the worker did not take
-            try:
-                j = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if j is not None:
-                j.cancel()
-                _deliver(j, Cancelled("server shutting down"))
+        self._cancel_queued()   # whatever the worker did not take
         self.sp.close()
 
     # ---- worker ------------------------------------------------------------------------------------

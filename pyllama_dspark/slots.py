@@ -80,6 +80,20 @@ class JobQueue:
             else:
                 self.n_done += 1
 
+    def _cancel_queued(self) -> None:
+        """Every job still in the queue is cancelled and told so (shutdown); sentinels are dropped."""
+        pending = []
+        while True:
+            try:
+                j = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if j is not None:
+                j.cancel()
+                pending.append(j)
+        for j in pending:
+            _deliver(j, Cancelled("server shutting down"))
+
 
 class SlotPool(JobQueue):
     """``n_slots`` workers over Speculators made by ``factory(slot_index)``."""
@@ -129,17 +143,7 @@ class SlotPool(JobQueue):
             return
         self._closed = True
         # cancel what is queued or running, then stop the workers
-        pending = []
-        while True:
-            try:
-                j = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if j is not None:
-                j.cancel()
-                pending.append(j)
-        for j in pending:
-            _deliver(j, Cancelled("server shutting down"))
+        self._cancel_queued()
         with self._lock:
             running = [j for j in self._running if j is not None]
         for j in running:
