@@ -34,9 +34,13 @@ import click
 @click.option("--weights-type", type=click.Choice(["f32", "f16", "q8_0"]), default="f16", show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="Threads (default: all cores).")
 @click.option("--seed", type=int, default=1, show_default=True)
-@click.option("--mix", type=click.Choice(["v1", "v2"]), default="v2", show_default=True,
-              help="Instruction families: v1 (the shipped drafter's set) or v2 (adds boxed-answer math, "
-                   "python function requests and stubs, style requests).")
+@click.option("--mix", type=click.Choice(["v1", "v2", "v3"]), default="v2", show_default=True,
+              help="Instruction families: v1 (the first drafter's set), v2 (adds boxed-answer math, "
+                   "python function requests and stubs, style requests) or v3 (adds combinatorial "
+                   "families that do not run out: standard-library Python requests, role-play, logic "
+                   "puzzles, subject x aspect x audience explanations, form x topic writing, and "
+                   "rewrite/summarize/extract requests over the target's own earlier responses from "
+                   "--extra-data).")
 @click.option("--extra-data", "extra", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Work directory of an earlier run: its responses are trained on too and its "
                    "instructions are not generated again (repeatable).")

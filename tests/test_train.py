@@ -63,7 +63,35 @@ def test_v2_instructions_pass_the_shingle_filter_and_avoid_earlier_sets():
     assert any(">>>" in t for t in texts) and any("\\boxed{}" in t for t in texts)
     assert {"mathcot", "pycode"} <= {i.source for i in v2}
     with pytest.raises(ValueError):
-        build_instructions(10, mix="v3")
+        build_instructions(10, mix="v4")
+
+
+def test_mix_v3_keeps_growing_where_v2_runs_out():
+    from pyllama_dspark.prompts import default_prompt_dir
+    from pyllama_dspark.training.families_v3 import pydoc_entries, split_passages
+    from pyllama_dspark.training.instructions import BenchmarkFilter
+
+    bench = benchmark_texts(default_prompt_dir())
+    filt = BenchmarkFilter(bench)
+    v2 = build_instructions(3000, seed=3, exclude=bench, mix="v2")
+    prose = [p for p in split_passages(["Short.\n\n" + " ".join(f"word{i}" for i in range(40)) +
+                                        "\n\n```python\n" + "x = 1\n" * 40 + "```"])]
+    assert prose == [" ".join(f"word{i}" for i in range(40))]      # short paragraph and code dropped
+    passages = [f"Paragraph number {i} talks about topic {i % 17} at some length, " * 3 for i in range(50)]
+    v3 = build_instructions(3000, seed=3, exclude=bench, mix="v3", passages=passages,
+                            avoid=[i.messages[0]["content"] for i in v2])
+    texts = [i.messages[0]["content"] for i in v3]
+    assert len(texts) == 3000 == len(set(texts)) and not any(filt.matches(t) for t in texts)
+    n = {}
+    for i in v3:
+        n[i.source] = n.get(i.source, 0) + 1
+    # after 3000 v2 prompts, the families v2 exhausts still yield: every v3 family is well represented
+    for fam in ("pydoc", "roleplay", "reasoning", "stem", "writing3", "passage"):
+        assert n.get(fam, 0) >= 100, (fam, n)
+    assert any(p in t for t in texts if "\n\n" in t for p in passages)
+    assert len(pydoc_entries()) > 300
+    # without passages there is no passage family
+    assert "passage" not in {i.source for i in build_instructions(300, seed=1, mix="v3")}
 
 
 def test_instructions_are_distinct_and_not_benchmark_text():

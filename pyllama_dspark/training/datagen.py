@@ -276,3 +276,16 @@ def load_records(data_dir) -> List[Record]:
             fo += nf
             to += nt
     return recs
+
+
+def load_responses(data_dir, sources: Optional[Sequence[str]] = None) -> List[np.ndarray]:
+    """The response tokens of a dataset's records (of ``sources`` only, when given), without
+    reading their features."""
+    out: List[np.ndarray] = []
+    for shard in sorted(Path(data_dir).glob("shard-*.npz")):
+        with np.load(shard) as zf:
+            toks, off, npr, src = zf["tokens"], zf["tok_off"], zf["n_prompt"], zf["source"]
+        for i in range(len(off) - 1):
+            if sources is None or str(src[i]) in sources:
+                out.append(toks[off[i] + int(npr[i]):off[i + 1]])
+    return out

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from .families_v3 import V3_SOURCES
+
 __all__ = ["Instruction", "build_instructions", "SOURCES", "is_benchmark_text", "BenchmarkFilter", "MIXES"]
 
 SOURCES: Dict[str, str] = {
@@ -32,6 +34,7 @@ SOURCES: Dict[str, str] = {
     "pycode": "(mix v2) 'write a python function to ...' requests over the task lists, and Python "
               "function stubs (signature, docstring, doctest examples) from FUNCTION_SPECS in this file",
     "multiturn": "a second user turn (follow-up templates) after the target's own first answer",
+    **V3_SOURCES,
 }
 
 NAMES = ["Ava", "Liam", "Maya", "Noah", "Zara", "Omar", "Lena", "Ravi", "Iris", "Tomas", "Keiko",
@@ -347,7 +350,7 @@ _WEIGHTS = {"math": 4, "arith": 2, "code": 4, "explain": 3, "writing": 3, "advic
 _MAKERS_V2 = dict(_MAKERS, mathcot=_mathcot, pycode=_pycode, writing=_writing_v2)
 _WEIGHTS_V2 = {"math": 2, "arith": 1, "mathcot": 5, "code": 2, "pycode": 5, "explain": 3, "writing": 3,
                "advice": 2, "compare": 1, "list": 1}
-MIXES = ("v1", "v2")
+MIXES = ("v1", "v2", "v3")
 
 _BENCH_MARKERS = re.compile(r"def \w+\(.*\):\s*\n\s*\"\"\"|>>> ", re.S)
 
@@ -393,18 +396,26 @@ def _norm(s: str) -> str:
 
 def build_instructions(n: int, seed: int = 0, multiturn_frac: float = 0.12, chat_frac: float = 0.04,
                        exclude: Optional[List[str]] = None, mix: str = "v1",
-                       avoid: Optional[List[str]] = None) -> List[Instruction]:
+                       avoid: Optional[List[str]] = None,
+                       passages: Optional[List[str]] = None) -> List[Instruction]:
     """``n`` distinct instructions (fewer if the templates run out), deterministic for ``seed``.
 
     ``exclude``: the benchmark turns.  Mix ``v1`` (what the shipped drafter was trained on) drops a
     prompt whose normalized text equals one of them and never makes stubs or doctests; mix ``v2``
     adds the v2 families and rejects anything :class:`BenchmarkFilter` matches (equal text or a
     shared 8-word shingle that is not instruction boilerplate).  ``avoid``: prompts an earlier
-    dataset already has (normalized-text match), so a second dataset adds new ones."""
+    dataset already has (normalized-text match), so a second dataset adds new ones.  Mix ``v3``
+    adds the combinatorial families of :mod:`.families_v3` (filtered like v2); ``passages``
+    (paragraphs of the target's earlier responses) enable its ``passage`` family."""
     if mix not in MIXES:
         raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
     r = random.Random(seed)
-    makers, weights = (_MAKERS, _WEIGHTS) if mix == "v1" else (_MAKERS_V2, _WEIGHTS_V2)
+    if mix == "v3":
+        from .families_v3 import v3_makers
+
+        makers, weights = v3_makers(passages)
+    else:
+        makers, weights = (_MAKERS, _WEIGHTS) if mix == "v1" else (_MAKERS_V2, _WEIGHTS_V2)
     if mix == "v1":
         banned = {_norm(t) for t in (exclude or [])}
 

@@ -77,7 +77,9 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
         if ins_file.exists():
             avoid += [m["content"] for line in ins_file.read_text().splitlines() if line.strip()
                       for m in json.loads(line)["messages"]]
-    instructions = build_instructions(cfg.n_prompts, seed=cfg.seed, exclude=bench, mix=cfg.mix, avoid=avoid)
+    passages = _passages(target_path, cfg.extra_data) if cfg.mix == "v3" else None
+    instructions = build_instructions(cfg.n_prompts, seed=cfg.seed, exclude=bench, mix=cfg.mix, avoid=avoid,
+                                      passages=passages)
     with open(work / "instructions.jsonl", "w") as f:
         for i, ins in enumerate(instructions):
             f.write(json.dumps({"id": i, "source": ins.source, "messages": ins.messages,
@@ -86,7 +88,8 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
     for ins in instructions:
         counts[ins.source] = counts.get(ins.source, 0) + 1
     card = {"sources": SOURCES, "counts": counts, "n": len(instructions), "mix": cfg.mix,
-            "benchmark_turns_excluded": len(bench), "seed": cfg.seed, "extra_data": list(cfg.extra_data)}
+            "benchmark_turns_excluded": len(bench), "seed": cfg.seed, "extra_data": list(cfg.extra_data),
+            "passages": len(passages or [])}
     (work / "data_card.json").write_text(json.dumps(card, indent=1))
     ti = read_target_info(target_path)
     layers = default_target_layers(ti.n_layer)
@@ -178,6 +181,25 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
     (work / "pipeline.json").write_text(json.dumps({"config": asdict(cfg), "result": result}, indent=1,
                                                    default=str))
     return result
+
+
+PASSAGE_SOURCES = ("explain", "writing", "advice", "compare", "list", "chat", "multiturn", "stem", "writing3",
+                   "roleplay")
+
+
+def _passages(target_path: str, extra_data: Sequence[str]) -> List[str]:
+    """Paragraphs of the target's own prose responses in the earlier datasets (mix v3's ``passage``
+    family)."""
+    from ..handles import ContextSettings, Target
+    from .datagen import load_responses
+    from .families_v3 import split_passages
+
+    resp = [t for e in extra_data for t in load_responses(Path(e) / "data", PASSAGE_SOURCES)]
+    if not resp:
+        return []
+    with Target(target_path, ContextSettings(n_ctx=64)) as t:
+        texts = [t.detokenize(r.tolist(), special=False).decode("utf-8", "replace") for r in resp]
+    return sorted(set(split_passages(texts)))
 
 
 def _warm_start(src: Path, work: Path) -> None:
