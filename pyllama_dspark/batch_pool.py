@@ -62,9 +62,8 @@ class BatchedPool(JobQueue):
 
     # ---- jobs --------------------------------------------------------------------------------------
     def close(self) -> None:
-        if self._closed:
+        if not self._mark_closed():
             return
-        self._closed = True
         self._queue.put(None)
         # no timeout: the worker stops at the next step boundary, and the contexts must not be
         # freed under a decode that is still running

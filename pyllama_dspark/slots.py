@@ -67,11 +67,21 @@ class JobQueue:
         return self._queue.qsize()
 
     def submit(self, job: Job) -> Job:
-        if self._closed:
-            raise RuntimeError("the slot pool is closed")
-        job.task_id = next(self._task_ids)
-        self._queue.put(job)
+        # under the lock: a job is either queued before close() drains the queue, or refused
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the slot pool is closed")
+            job.task_id = next(self._task_ids)
+            self._queue.put(job)
         return job
+
+    def _mark_closed(self) -> bool:
+        """Refuse new jobs from now on; True for the call that closed the pool."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            return True
 
     def _count(self, cancelled: bool = False) -> None:
         with self._lock:
@@ -138,11 +148,12 @@ class SlotPool(JobQueue):
 
     # ---- jobs --------------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        if self._closed:
+    def close(self, timeout: float = 60.0) -> None:
+        """Cancel what is queued or running and stop the workers.  A worker still inside a decode
+        after ``timeout`` seconds keeps its contexts (freeing them under a running decode would
+        crash the process): they are leaked, with a warning."""
+        if not self._mark_closed():
             return
-        self._closed = True
-        # cancel what is queued or running, then stop the workers
         self._cancel_queued()
         with self._lock:
             running = [j for j in self._running if j is not None]
@@ -150,9 +161,11 @@ class SlotPool(JobQueue):
             j.cancel()
         for _ in self._threads:
             self._queue.put(None)
-        for t in self._threads:
-            t.join(timeout=60)
-        for sp in self.speculators:
+        for slot, (t, sp) in enumerate(zip(self._threads, self.speculators)):
+            t.join(timeout=timeout)
+            if t.is_alive():
+                log.warning("slot %d: still decoding %.0f s after close(); its contexts are not freed", slot, timeout)
+                continue
             sp.close()
 
     # ---- worker ------------------------------------------------------------------------------------

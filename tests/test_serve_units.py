@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -130,3 +131,49 @@ def test_slot_queue_errors_and_cancellation():
         pool.submit(Job([1], 1, lambda ev: None))
     with pytest.raises(ValueError):
         SlotPool(lambda i: _FakeSp(), 0)
+
+
+def test_slot_pool_close_does_not_free_a_slot_still_decoding():
+    sps = []
+    pool = SlotPool(lambda i: sps.append(_FakeSp()) or sps[-1], 1)
+    stuck_ev, stuck_done, on_s = _collect()
+    pool.submit(Job([7], 2, on_s))              # waits on the gate inside the "decode"
+    queued_ev, queued_done, on_q = _collect()
+    pool.submit(Job([1], 2, on_q))
+    for _ in range(100):
+        if pool.n_busy:
+            break
+        time.sleep(0.01)
+    pool.close(timeout=0.3)
+    assert not sps[0].closed                   # freeing it now would pull the context from under the decode
+    assert queued_done.wait(5) and isinstance(queued_ev[-1], Cancelled)
+    sps[0].gate.set()
+    assert stuck_done.wait(30) and isinstance(stuck_ev[-1], Cancelled)
+
+
+def test_submit_racing_close_never_loses_a_job():
+    for _ in range(5):
+        pool = SlotPool(lambda i: _FakeSp(), 2)
+        accepted, refused, lock = [], [], threading.Lock()
+
+        def client(k):
+            for i in range(40):
+                evs, done, on = _collect()
+                try:
+                    pool.submit(Job([1], 2, on))
+                except RuntimeError:
+                    with lock:
+                        refused.append(k)
+                    return
+                with lock:
+                    accepted.append(done)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.005)
+        pool.close()
+        for t in threads:
+            t.join()
+        # every accepted job ends (done or cancelled), none is left in a drained queue
+        assert all(d.wait(10) for d in accepted), sum(not d.is_set() for d in accepted)
