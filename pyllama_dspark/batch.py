@@ -67,12 +67,14 @@ class BatchDecoder:
     """Speculative decoding of up to ``target.settings.n_seq_max`` sequences at once."""
 
     def __init__(self, target: Target, proposer: Union[Draft, Proposer, None] = None, *, n_max: int = 7,
-                 policy: Optional[VerifyPolicy] = None, streaming: bool = False):
+                 policy: Optional[VerifyPolicy] = None, streaming: bool = False, tie_eps: float = 1e-3):
         """``proposer``: a Draft (its blocks are decoded together in one draft decode), any other
         Proposer (asked per sequence, e.g. the oracle), or None (plain batched decoding).
         ``streaming``: keep per-step events for :meth:`poll` (results are then not kept for
-        :meth:`result`)."""
+        :meth:`result`).  ``tie_eps``: a greedy verify row whose top-2 logit gap is below it counts
+        as a numerical near-tie in the sequence's stats (as in the single-sequence engine)."""
         self.target = target
+        self.tie_eps = float(tie_eps)
         self.n_slots = int(target.settings.n_seq_max)
         if isinstance(proposer, Draft):
             if int(proposer.settings.n_seq_max) < self.n_slots:
@@ -283,6 +285,7 @@ class BatchDecoder:
             if s.smp is None:
                 ids = self._ids[off:off + k + 1]
                 n_acc = greedy_accept(d[:k], ids, eog)
+                s.stats.near_ties += int(np.count_nonzero(self._margin[off:off + n_acc + 1] < self.tie_eps))
                 emitted = ids[:n_acc + 1].tolist()
             else:
                 ts = time.perf_counter()

@@ -43,8 +43,11 @@ def test_batched_sequences_equal_their_own_greedy(target_path, dspark_draft_path
     t, d = _open(target_path, dspark_draft_path, R)
     with t:
         policy = VerifyPolicy(mode=mode, cost=CostModel([6.0 * b for b in range(1, 33)], draft_ms=[10.0]))
-        bd = BatchDecoder(t, d, n_max=7, policy=policy)
+        # tie_eps = inf: every emitted verify row counts as a near-tie, rejected rows never do
+        bd = BatchDecoder(t, d, n_max=7, policy=policy, tie_eps=float("inf") if mode == "off" else 1e-3)
         done = bd.run([p for p, _, _ in refs], [m for _, m, _ in refs])
+        if mode == "off":
+            assert [dn.stats.near_ties for dn in done] == [dn.stats.accepted + dn.stats.cycles for dn in done]
         bad = [i for i, ((_, _, ref), dn) in enumerate(zip(refs, done)) if dn.tokens != ref]
         assert not bad, [(done[i].tokens, refs[i][2]) for i in bad]
         # 6 prompts through 3 slots: sequences finished at different steps and queued ones joined
