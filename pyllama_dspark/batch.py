@@ -309,8 +309,10 @@ class BatchDecoder:
             self._emit(s, emitted)
         t3 = time.perf_counter()
         inject_share = ((t3 - t2) * 1e3 - sum(ms_sample)) / R
+        in_pass = set(room) if (self.prop is not None and any(len(d) for d in drafts)) else set()
         for r, s in enumerate(act):
-            s.stats.ms_draft += (t1 - t0) * 1e3 / R
+            # the draft pass is shared by the sequences that were in it, not by those without room
+            s.stats.ms_draft += (t1 - t0) * 1e3 / len(in_pass) if r in in_pass else 0.0
             s.stats.ms_verify += (t2 - t1) * 1e3 / R
             s.stats.ms_sample += ms_sample[r]
             s.stats.ms_inject += inject_share

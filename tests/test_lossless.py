@@ -75,7 +75,7 @@ def test_shipped_trained_drafter_is_lossless_and_accepted(cases, target_path):
     """The embedded SmolLM2 drafter: identical greedy output on every prompt, with real acceptance.
 
     Regression guard (not the training target): tau on the first prompt of each benchmark file
-    (5 dev prompts), greedy, 128 tokens: measured 1.73, asserted >= 1.6."""
+    (5 dev prompts), greedy, 128 tokens: measured 1.77, asserted >= 1.65."""
     from pyllama_dspark.cli import default_draft
 
     draft = default_draft()
@@ -100,6 +100,6 @@ def test_shipped_trained_drafter_is_lossless_and_accepted(cases, target_path):
           f"dev tau {tau_dev:.3f} {dev}")
     assert not failures, "\n".join(failures)
     assert len(dev) == 5
-    # the issue asks for a 2.0 guard; the drafter trained here reaches 1.53 on these prompts
+    # the issue asks for a 2.0 guard; the drafter trained here reaches 1.77 on these prompts
     # (README "Default models"): this guards what ships against regressions
-    assert tau_dev >= 1.6, dev
+    assert tau_dev >= 1.65, dev
