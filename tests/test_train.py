@@ -217,3 +217,12 @@ def test_export_matches_torch_model_block_by_block(smoke, target_path, tmp_path)
         model.out_norm.mul_(1.01)
     bad = compare_blocks(model, target_path, path, r.tokens, anchors[:1])[0]
     assert bad.max_abs_logit > 2 * 0.02 * bad.logit_scale
+
+
+def test_pydoc_summary_becomes_a_bare_verb_phrase():
+    from pyllama_dspark.training.families_v3 import _infinitive
+
+    cases = {"Returns the sum.": "return the sum", "Computes x.": "compute x", "Matches a pattern.": "match a pattern",
+             "Does stuff.": "do stuff", "Creates a thing.": "create a thing", "Passes it on.": "pass it on",
+             "Get information about a frame.": "get information about a frame"}
+    assert {k: _infinitive(k) for k in cases} == cases

@@ -72,9 +72,15 @@ def pydoc_entries() -> Tuple[Tuple[str, str, str, str], ...]:
 
 
 def _infinitive(summary: str) -> str:
+    """"Returns the sum." -> "return the sum" (the docstring's third-person verb made bare)."""
     s = summary.rstrip(".")
-    s = s[0].lower() + s[1:]
-    return re.sub(r"^(\w+?)(e?s)\b", lambda m: m.group(1) + ("e" if m.group(2) == "es" and m.group(1)[-1:] in "cgkvz" else ""), s, count=1)
+    verb, _, rest = s.partition(" ")
+    v = verb.lower()
+    if re.search(r"(ch|sh|ss|x|o)es$", v):
+        v = v[:-2]
+    elif v.endswith("s") and not v.endswith("ss"):
+        v = v[:-1]
+    return f"{v} {rest}".strip()
 
 
 def _pydoc(r: random.Random) -> str:
