@@ -17,7 +17,7 @@ from .errors import DSparkError
               help="DSpark draft GGUF ('random': a random-weight test draft).")
 @click.option("--prompts", "prompts", multiple=True, type=click.Path(exists=True),
               help="JSONL prompt files or directories ({\"turns\": [...]} per line); repeatable "
-                   "(default: ../shared/bench/prompts or $PYLLAMA_DSPARK_PROMPTS).")
+                   "(default: the prompts shipped in the package, or $PYLLAMA_DSPARK_PROMPTS).")
 @click.option("--limit", type=int, default=5, show_default=True, help="Prompts per file.")
 @click.option("--configs", default="auto", show_default=True,
               help="Comma-separated configurations: none (no draft), dflash (Markov head off), dspark, "

@@ -20,7 +20,7 @@ from .errors import DSparkError
               help="llama-server binary for the C++ comparison ('auto': build/cache it from the "
                    "llama-cpp-python sdist); without it that check is skipped.")
 @click.option("--prompts", "prompts", multiple=True, type=click.Path(exists=True),
-              help="JSONL prompt files or directories (default: ../shared/bench/prompts).")
+              help="JSONL prompt files or directories (default: the prompts shipped in the package).")
 @click.option("--limit", type=int, default=1, show_default=True, help="Prompts per file.")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=64, show_default=True)
 @click.option("--n-max", type=int, default=7, show_default=True, help="Draft tokens per block.")

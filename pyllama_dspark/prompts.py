@@ -19,13 +19,15 @@ class PromptItem:
     turns: List[str]
 
 
+#: The benchmark prompts shipped inside the package (DeepSpec's eval sets, MIT; see its README).
+PACKAGED_PROMPT_DIR = Path(__file__).resolve().parent / "data" / "prompts"
+
+
 def default_prompt_dir() -> Optional[Path]:
-    """$PYLLAMA_DSPARK_PROMPTS, else ../shared/bench/prompts next to the checkout or the cwd."""
+    """$PYLLAMA_DSPARK_PROMPTS if set, else the prompt files shipped in the package."""
     env = os.environ.get("PYLLAMA_DSPARK_PROMPTS")
     cands = [Path(env)] if env else []
-    here = Path(__file__).resolve().parent
-    cands += [here.parent.parent / "shared" / "bench" / "prompts", Path.cwd().parent / "shared" / "bench" / "prompts",
-              Path.cwd() / "shared" / "bench" / "prompts"]
+    cands.append(PACKAGED_PROMPT_DIR)
     for c in cands:
         if c.is_dir() and any(c.glob("*.jsonl")):
             return c

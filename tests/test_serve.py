@@ -4,7 +4,7 @@ One server (-np 2, run once with continuous batching and once with a thread per 
 really accepted) serves every endpoint, streaming and not, the error paths, a client that hangs up
 mid-stream, concurrent requests, the official ``openai`` client and llama.cpp's own SpeedBench
 client (``tools/server/bench/speed-bench/speed_bench.py`` of the vendored llama.cpp, imported
-unchanged; its Hugging Face dataset is replaced by samples from ../shared/bench/prompts).
+unchanged; its Hugging Face dataset is replaced by samples from the benchmark prompts shipped in the package).
 A second, draft-less server checks ``--api-key``.  Greedy output is compared with our engine run
 directly (no server) on the same prompt: lossless greedy means the text must be identical.
 """
@@ -322,7 +322,7 @@ def _speed_bench_module():
             stub = types.ModuleType("datasets")
 
             def _no_hub(*a, **k):
-                raise RuntimeError("no Hugging Face hub here; samples come from ../shared/bench/prompts")
+                raise RuntimeError("no Hugging Face hub here; samples come from the packaged benchmark prompts")
 
             stub.get_dataset_config_names = stub.load_dataset = _no_hub
             sys.modules["datasets"] = stub

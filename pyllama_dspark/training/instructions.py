@@ -1,6 +1,6 @@
 """The training instruction set: programmatic templates over topic lists.
 
-Nothing here comes from, or is derived from, the benchmark sets in ``shared/bench/prompts``
+Nothing here comes from, or is derived from, the benchmark sets shipped in ``pyllama_dspark/data/prompts``
 (GSM8K, MATH, HumanEval, MBPP, MT-Bench): every prompt is a template from :data:`TEMPLATES`
 filled with items from the topic lists below, written for this project.  Math word problems are
 generated from random names, objects and numbers; code requests from a list of small programming
