@@ -10,13 +10,13 @@ like a trained draft; only its proposals are meaningless.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .gguf_info import DRAFT_ARCH, field_value, read_gguf, read_target_info
+from .gguf_write import TENSOR_ENCODINGS, encode, gauss, infer_type, raw_field, same_kind_type, write_gguf
 
 __all__ = [
     "make_test_draft",
@@ -100,107 +100,20 @@ def pick_mask_token_id(reader) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# metadata helpers
+# metadata / weight helpers: the shared GGUF writer's (pyllama_dspark.gguf_write)
 # --------------------------------------------------------------------------------------------
 
-def _raw_field(reader, key: str) -> Tuple[Any, Any, Any]:
-    """(value, vtype, sub_type) of a reader field, strings kept as raw bytes (lossless copy)."""
-    import gguf
-
-    vt = gguf.GGUFValueType
-    f = reader.fields[key]
-    main = f.types[0]
-    if main == vt.STRING:
-        return f.parts[f.data[0]].tobytes(), main, None
-    if main == vt.ARRAY:
-        sub = f.types[-1]
-        if sub == vt.STRING:
-            return [f.parts[i].tobytes() for i in f.data], main, sub
-        if sub == vt.ARRAY:
-            raise ValueError(f"nested GGUF arrays are not supported (key {key!r})")
-        vals = np.concatenate([np.asarray(f.parts[i]).reshape(-1) for i in f.data]) if f.data else np.zeros(0)
-        return vals.tolist(), main, sub
-    val = np.asarray(f.parts[f.data[0]]).reshape(-1)[0].item()
-    return val, main, None
-
-
-def _infer_type(key: str, value: Any) -> Tuple[Any, Any, Any]:
-    import gguf
-
-    vt = gguf.GGUFValueType
-    if isinstance(value, bool):
-        return value, vt.BOOL, None
-    if isinstance(value, (int, np.integer)):
-        return int(value), (vt.UINT32 if int(value) >= 0 else vt.INT32), None
-    if isinstance(value, (float, np.floating)):
-        return float(value), vt.FLOAT32, None
-    if isinstance(value, (str, bytes)):
-        return value, vt.STRING, None
-    if isinstance(value, (list, tuple, np.ndarray)):
-        items = list(value.tolist() if isinstance(value, np.ndarray) else value)
-        if not items:
-            raise ValueError(f"override {key!r}: GGUF arrays cannot be empty")
-        first = items[0]
-        if isinstance(first, bool):
-            return [bool(x) for x in items], vt.ARRAY, vt.BOOL
-        if isinstance(first, (int, np.integer)):
-            return [int(x) for x in items], vt.ARRAY, vt.INT32
-        if isinstance(first, (float, np.floating)):
-            return [float(x) for x in items], vt.ARRAY, vt.FLOAT32
-        if isinstance(first, (str, bytes)):
-            return list(items), vt.ARRAY, vt.STRING
-    raise ValueError(f"override {key!r}: unsupported value {value!r}")
-
-
-def _same_kind_type(value: Any, vtype, sub) -> bool:
-    """Whether ``value`` can be written with an existing key's (vtype, sub_type)."""
-    import gguf
-
-    vt = gguf.GGUFValueType
-    ints = (vt.UINT8, vt.INT8, vt.UINT16, vt.INT16, vt.UINT32, vt.INT32, vt.UINT64, vt.INT64)
-    floats = (vt.FLOAT32, vt.FLOAT64)
-    if vtype == vt.ARRAY:
-        return isinstance(value, (list, tuple)) and len(value) > 0 and _same_kind_type(value[0], sub, None)
-    if vtype == vt.BOOL:
-        return isinstance(value, bool)
-    if vtype in ints:
-        return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and (
-            int(value) >= 0 or vtype in (vt.INT8, vt.INT16, vt.INT32, vt.INT64))
-    if vtype in floats:
-        return isinstance(value, (float, int, np.floating, np.integer)) and not isinstance(value, bool)
-    if vtype == vt.STRING:
-        return isinstance(value, (str, bytes))
-    return False
-
-
-# --------------------------------------------------------------------------------------------
-# weights
-# --------------------------------------------------------------------------------------------
-
-def _gauss(rng: np.random.Generator, shape: Sequence[int], fan_in: int) -> np.ndarray:
-    """N(0, 1/fan_in) weights (std 1/sqrt(fan_in)): activations keep their scale through matmuls."""
-    w = rng.standard_normal(size=tuple(shape), dtype=np.float32)
-    w *= np.float32(1.0 / np.sqrt(max(1, fan_in)))
-    return w
+_raw_field = raw_field
+_infer_type = infer_type
+_same_kind_type = same_kind_type
+_gauss = gauss
 
 
 def _encode(arr: np.ndarray, kind: str):
     """(data, raw_dtype) for GGUFWriter.add_tensor."""
-    import gguf
-
-    if kind == "f32":
-        return np.ascontiguousarray(arr, dtype=np.float32), None
-    if kind == "f16":
-        return np.ascontiguousarray(arr, dtype=np.float16), None
-    if kind == "bf16":
-        return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32),
-                                    gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
-    if kind == "i64":
-        return np.ascontiguousarray(arr, dtype=np.int64), None
-    if kind == "q8_0":
-        return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32),
-                                    gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
-    raise ValueError(f"fc_type must be one of {_FC_TYPES}, got {kind!r}")
+    if kind not in TENSOR_ENCODINGS:
+        raise ValueError(f"fc_type must be one of {_FC_TYPES}, got {kind!r}")
+    return encode(arr, kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,28 +340,7 @@ def make_test_draft(
         tensors.pop(name, None)
 
     # ---- write (temp file in the same directory, then rename)
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".draft-", suffix=".gguf.tmp", dir=out_dir)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, a)
-        for key, (value, vtype, sub) in meta.items():
-            writer.add_key_value(key, value, vtype, sub_type=sub)
-        for name, (data, raw_dtype) in tensors.items():
-            writer.add_tensor(name, data, raw_dtype=raw_dtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.chmod(tmp, 0o644)   # mkstemp makes 0600; a draft is an ordinary data file
-        os.replace(tmp, out_path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_gguf(out_path, a, meta, tensors, tmp_prefix=".draft-")
     return out_path
 
 
