@@ -1,10 +1,35 @@
-"""Shared fixtures: the real test target (SmolLM2-135M-Instruct Q4_1) and random drafts for it."""
+"""Shared fixtures: the real test target (SmolLM2-135M-Instruct Q4_1), random drafts for it and the
+target's own greedy references through ``llama_cpp.Llama``, computed once per test run."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+# The automatic verification schedule (the default wherever a draft is used) reads this file
+# instead of measuring the machine: a flat, memory-bound-like curve with a free draft pass and
+# fixed costs, so auto verifies what a fixed block would and every test is deterministic.  Tests of
+# auto's decisions pass their own cost model.
+TEST_COST_PROFILE = {
+    "key": "tests", "settings": {}, "batch_sizes": list(range(1, 65)), "verify_ms": [10.0] * 64,
+    "verify_p10": [10.0] * 64, "verify_p90": [10.0] * 64, "draft_ms": 0.0, "draft_spread": [0.0, 0.0],
+    "overhead_ms": 0.0, "repeats": 0, "version": 1, "fixed": True}
+
+
+def _install_test_cost_profile() -> None:
+    import json
+    import tempfile
+
+    if os.environ.get("PYLLAMA_DSPARK_COST_PROFILE"):
+        return
+    fd, path = tempfile.mkstemp(prefix="pyllama-dspark-test-profile-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(TEST_COST_PROFILE, f)
+    os.environ["PYLLAMA_DSPARK_COST_PROFILE"] = path   # inherited by the CLI / server subprocesses
+
+
+_install_test_cost_profile()
 
 
 def _smollm2_path() -> str:
@@ -41,3 +66,15 @@ def dflash_draft_path(target_path, _draft_dir) -> str:
     from pyllama_dspark.testing import make_test_draft
 
     return make_test_draft(target_path, _draft_dir / "dflash-test.gguf", kind="dflash", seed=1)
+
+
+@pytest.fixture(scope="session")
+def llama_refs(target_path):
+    """:class:`greedy_ref.LlamaRefs` over the target: plain ``Llama`` greedy references (token ids,
+    chat and text completions), each computed once for the whole run and shared by every test file
+    that compares against the same prompts."""
+    from greedy_ref import LlamaRefs
+
+    refs = LlamaRefs(target_path)
+    yield refs
+    refs.close()
