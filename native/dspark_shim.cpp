@@ -1,5 +1,8 @@
-// pyllama-dspark native shim (see dspark_shim.h).  Kept small on purpose: Python owns the loop.
-#include "dspark_shim.h"
+// pyllama-dspark native shim (see dspark_shim.h): target capture/decode, draft injection and block
+// decode, read-out.  The Markov graph lives in dspark_markov.cpp, the sampler chain in
+// dspark_sampler.cpp.  Kept small on purpose: Python owns the loop.  Every extern "C" entry point
+// runs inside dspark::guard*: no C++ exception crosses the C ABI.
+#include "dspark_internal.h"
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -13,6 +16,9 @@
 #include <cstring>
 #include <algorithm>
 #include <exception>
+#include <memory>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -23,38 +29,43 @@ LLAMA_API float * llama_get_embeddings_nextn_ith(struct llama_context * ctx, int
 LLAMA_API void    llama_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
 LLAMA_API float * llama_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
 
+namespace dspark {
+
 namespace {
+thread_local char g_last_error[1024];  // a fixed buffer: setting the message cannot throw
+}
 
-thread_local std::string g_last_error;
-
-int32_t fail(int32_t code, const char * fmt, ...) {
-    char buf[1024];
+int32_t fail(int32_t code, const char * fmt, ...) noexcept {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(buf, sizeof(buf), fmt, ap);
+    vsnprintf(g_last_error, sizeof(g_last_error), fmt, ap);
     va_end(ap);
-    g_last_error = buf;
     return code;
 }
 
-void ok() { g_last_error.clear(); }
+void ok() noexcept { g_last_error[0] = '\0'; }
+
+int32_t exception_status(const char * fn) noexcept {
+    try {
+        throw;
+    } catch (const std::bad_alloc &) {
+        return fail(DSPARK_E_INTERNAL, "%s: out of memory (C++ std::bad_alloc)", fn);
+    } catch (const std::exception & e) {
+        return fail(DSPARK_E_INTERNAL, "%s: C++ exception: %s", fn, e.what());
+    } catch (...) {
+        return fail(DSPARK_E_INTERNAL, "%s: unknown C++ exception", fn);
+    }
+}
+
+}  // namespace dspark
+
+using dspark::fail;
+using dspark::ok;
+using dspark::gguf_file;
+
+namespace {
 
 // ---- GGUF metadata helpers ----------------------------------------------------------------------
-
-struct gguf_file {
-    gguf_context * g = nullptr;
-    ggml_context * meta = nullptr;  // tensor descriptors (no data) when requested
-    explicit gguf_file(const char * path, bool with_tensors) {
-        gguf_init_params p = { /*no_alloc*/ true, with_tensors ? &meta : nullptr };
-        g = gguf_init_from_file(path, p);
-    }
-    ~gguf_file() {
-        if (g) gguf_free(g);
-        if (meta) ggml_free(meta);
-    }
-    gguf_file(const gguf_file &) = delete;
-    gguf_file & operator=(const gguf_file &) = delete;
-};
 
 // Integer-like value of a key (any integer or bool type); returns false when absent / not numeric.
 bool kv_int(const gguf_context * g, const char * key, int64_t & out) {
@@ -157,9 +168,27 @@ int32_t model_n_embd_of(llama_context * ctx) { return llama_model_n_embd(llama_g
 
 // ---- misc ---------------------------------------------------------------------------------------
 
+// (these three cannot throw: no guard needed)
 extern "C" int32_t dspark_abi_version(void) { return DSPARK_ABI_VERSION; }
-extern "C" const char * dspark_last_error(void) { return g_last_error.c_str(); }
+extern "C" const char * dspark_last_error(void) { return dspark::g_last_error; }
 extern "C" void * dspark_llama_backend_init_address(void) { return (void *) &llama_backend_init; }
+
+extern "C" int32_t dspark_test_throw(int32_t kind) {
+    return dspark::guard(__func__, [&]() -> int32_t {
+        switch (kind) {
+            case 0: throw std::runtime_error("planted exception");
+            case 1: throw std::bad_alloc();
+            case 2: throw 42;
+            case 3: {  // a real allocation failure
+                std::vector<float> huge((size_t) 1 << 42);  // 16 TiB
+                return (int32_t) huge.size();
+            }
+            default: break;
+        }
+        ok();
+        return DSPARK_OK;
+    });
+}
 
 // ---- target -------------------------------------------------------------------------------------
 
@@ -170,66 +199,71 @@ struct dspark_target {
     int32_t              n_captured = 0;
     llama_batch          batch = {};
     int32_t              batch_cap = 0;
+    ~dspark_target() {
+        if (batch.token) llama_batch_free(batch);
+    }
 };
 
 extern "C" dspark_target * dspark_target_new(llama_context * ctx, const int32_t * layer_ids, int32_t n_ids,
                                              int32_t allow_last) {
-    if (!ctx) { fail(DSPARK_E_INVALID, "target context is NULL"); return nullptr; }
-    if (n_ids < 0 || n_ids > DSPARK_MAX_TARGET_LAYERS || (n_ids > 0 && !layer_ids)) {
-        fail(DSPARK_E_INVALID, "need 0..%d target layer ids, got %d", DSPARK_MAX_TARGET_LAYERS, n_ids);
-        return nullptr;
-    }
-    const int32_t n_layer = llama_model_n_layer(llama_get_model(ctx));
-    const int32_t max_id  = allow_last ? n_layer : n_layer - 1;
-    for (int32_t i = 0; i < n_ids; ++i) {
-        if (layer_ids[i] < 0 || layer_ids[i] > max_id) {
-            fail(DSPARK_E_INVALID, "target layer id %d out of range 0..%d (target n_layer = %d)", layer_ids[i],
-                 max_id, n_layer);
+    return dspark::guard_ptr<dspark_target>(__func__, [&]() -> dspark_target * {
+        if (!ctx) { fail(DSPARK_E_INVALID, "target context is NULL"); return nullptr; }
+        if (n_ids < 0 || n_ids > DSPARK_MAX_TARGET_LAYERS || (n_ids > 0 && !layer_ids)) {
+            fail(DSPARK_E_INVALID, "need 0..%d target layer ids, got %d", DSPARK_MAX_TARGET_LAYERS, n_ids);
             return nullptr;
         }
-    }
-    auto * t   = new dspark_target();
-    t->ctx     = ctx;
-    if (n_ids > 0) t->ids.assign(layer_ids, layer_ids + n_ids);
-    t->n_embd  = model_n_embd_of(ctx);
-    t->batch_cap = (int32_t) llama_n_batch(ctx);
-    t->batch   = llama_batch_init(t->batch_cap, 0, 1);
-    for (int32_t id : t->ids) llama_set_embeddings_layer_inp(ctx, (uint32_t) id, true);
-    ok();
-    return t;
+        const int32_t n_layer = llama_model_n_layer(llama_get_model(ctx));
+        const int32_t max_id  = allow_last ? n_layer : n_layer - 1;
+        for (int32_t i = 0; i < n_ids; ++i) {
+            if (layer_ids[i] < 0 || layer_ids[i] > max_id) {
+                fail(DSPARK_E_INVALID, "target layer id %d out of range 0..%d (target n_layer = %d)", layer_ids[i],
+                     max_id, n_layer);
+                return nullptr;
+            }
+        }
+        auto t       = std::make_unique<dspark_target>();
+        t->ctx       = ctx;
+        if (n_ids > 0) t->ids.assign(layer_ids, layer_ids + n_ids);
+        t->n_embd    = model_n_embd_of(ctx);
+        t->batch_cap = (int32_t) llama_n_batch(ctx);
+        t->batch     = llama_batch_init(t->batch_cap, 0, 1);
+        for (int32_t id : t->ids) llama_set_embeddings_layer_inp(ctx, (uint32_t) id, true);
+        ok();
+        return t.release();
+    });
 }
 
 extern "C" void dspark_target_free(dspark_target * t) {
-    if (!t) return;
     // capture stays on the context if it outlives us; turning it off would force a re-reserve
-    llama_batch_free(t->batch);
-    delete t;
+    dspark::guard_void(__func__, [&]() { delete t; });
 }
 
 extern "C" int32_t dspark_target_decode(dspark_target * t, const int32_t * tokens, const int32_t * pos,
                                         const int32_t * seq_ids, const int8_t * outputs, int32_t n) {
-    if (!t || !tokens || !pos || !seq_ids || !outputs) return fail(DSPARK_E_INVALID, "null argument");
-    if (n <= 0 || n > t->batch_cap) return fail(DSPARK_E_INVALID, "batch of %d rows (must be 1..n_batch=%d)", n, t->batch_cap);
-    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(t->ctx)));
-    const int32_t n_seq   = (int32_t) llama_n_seq_max(t->ctx);
-    for (int32_t i = 0; i < n; ++i) {
-        if (tokens[i] < 0 || tokens[i] >= n_vocab) return fail(DSPARK_E_INVALID, "token %d out of vocab (%d)", tokens[i], n_vocab);
-        if (seq_ids[i] < 0 || seq_ids[i] >= n_seq) return fail(DSPARK_E_INVALID, "seq_id %d out of range", seq_ids[i]);
-        if (pos[i] < 0) return fail(DSPARK_E_INVALID, "negative position");
-        t->batch.token[i]     = tokens[i];
-        t->batch.pos[i]       = pos[i];
-        t->batch.n_seq_id[i]  = 1;
-        t->batch.seq_id[i][0] = seq_ids[i];
-        t->batch.logits[i]    = outputs[i] ? 1 : 0;
-    }
-    t->batch.n_tokens = n;
-    t->n_captured     = 0;
-    const int32_t rc  = llama_decode(t->ctx, t->batch);
-    if (rc < 0) return fail(DSPARK_E_LLAMA, "llama_decode(target) failed with %d", rc);
-    if (rc == 0) t->n_captured = n;
-    if (rc != 0) return fail(rc, "llama_decode(target) returned %d (no KV slot / aborted)", rc);
-    ok();
-    return 0;
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!t || !tokens || !pos || !seq_ids || !outputs) return fail(DSPARK_E_INVALID, "null argument");
+        if (n <= 0 || n > t->batch_cap) return fail(DSPARK_E_INVALID, "batch of %d rows (must be 1..n_batch=%d)", n, t->batch_cap);
+        const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(t->ctx)));
+        const int32_t n_seq   = (int32_t) llama_n_seq_max(t->ctx);
+        for (int32_t i = 0; i < n; ++i) {
+            if (tokens[i] < 0 || tokens[i] >= n_vocab) return fail(DSPARK_E_INVALID, "token %d out of vocab (%d)", tokens[i], n_vocab);
+            if (seq_ids[i] < 0 || seq_ids[i] >= n_seq) return fail(DSPARK_E_INVALID, "seq_id %d out of range", seq_ids[i]);
+            if (pos[i] < 0) return fail(DSPARK_E_INVALID, "negative position");
+            t->batch.token[i]     = tokens[i];
+            t->batch.pos[i]       = pos[i];
+            t->batch.n_seq_id[i]  = 1;
+            t->batch.seq_id[i][0] = seq_ids[i];
+            t->batch.logits[i]    = outputs[i] ? 1 : 0;
+        }
+        t->batch.n_tokens = n;
+        t->n_captured     = 0;
+        const int32_t rc  = llama_decode(t->ctx, t->batch);
+        if (rc < 0) return fail(DSPARK_E_LLAMA, "llama_decode(target) failed with %d", rc);
+        if (rc == 0) t->n_captured = n;
+        if (rc != 0) return fail(rc, "llama_decode(target) returned %d (no KV slot / aborted)", rc);
+        ok();
+        return 0;
+    });
 }
 
 extern "C" int32_t dspark_target_n_captured(const dspark_target * t) { return t ? t->n_captured : 0; }
@@ -238,58 +272,60 @@ extern "C" int32_t dspark_target_feature_width(const dspark_target * t) {
     return t ? (int32_t) t->ids.size() * t->n_embd : 0;
 }
 
-extern "C" int32_t dspark_target_copy_features(const dspark_target * t, int32_t row0, int32_t n_rows, float * out) {
-    if (!t || !out) return fail(DSPARK_E_INVALID, "null argument");
+namespace {
+int32_t check_captured(const dspark_target * t, int32_t row0, int32_t n_rows) {
     if (t->ids.empty()) return fail(DSPARK_E_STATE, "capture is not enabled on this target");
     if (t->n_captured <= 0) return fail(DSPARK_E_STATE, "no captured rows: decode on the target through the shim first");
-    if (row0 < 0 || n_rows <= 0 || row0 + n_rows > t->n_captured) {
-        return fail(DSPARK_E_INVALID, "rows %d..%d outside the %d captured rows", row0, row0 + n_rows - 1, t->n_captured);
+    if (row0 < 0 || n_rows <= 0 || row0 > t->n_captured - n_rows) {
+        return fail(DSPARK_E_INVALID, "rows %d..%lld outside the %d captured rows", row0,
+                    (long long) row0 + n_rows - 1, t->n_captured);
     }
-    const size_t n_embd = (size_t) t->n_embd;
-    const size_t width  = t->ids.size() * n_embd;
-    for (size_t k = 0; k < t->ids.size(); ++k) {
-        const float * layer = llama_get_embeddings_layer_inp(t->ctx, (uint32_t) t->ids[k]);
-        for (int32_t i = 0; i < n_rows; ++i) {
-            memcpy(out + (size_t) i * width + k * n_embd, layer + (size_t) (row0 + i) * n_embd, n_embd * sizeof(float));
-        }
-    }
-    ok();
     return DSPARK_OK;
+}
+}  // namespace
+
+extern "C" int32_t dspark_target_copy_features(const dspark_target * t, int32_t row0, int32_t n_rows, float * out) {
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!t || !out) return fail(DSPARK_E_INVALID, "null argument");
+        const int32_t rc = check_captured(t, row0, n_rows);
+        if (rc != DSPARK_OK) return rc;
+        const size_t n_embd = (size_t) t->n_embd;
+        const size_t width  = t->ids.size() * n_embd;
+        for (size_t k = 0; k < t->ids.size(); ++k) {
+            const float * layer = llama_get_embeddings_layer_inp(t->ctx, (uint32_t) t->ids[k]);
+            if (!layer) return fail(DSPARK_E_STATE, "llama.cpp holds no captured input of layer %d", t->ids[k]);
+            for (int32_t i = 0; i < n_rows; ++i) {
+                memcpy(out + (size_t) i * width + k * n_embd, layer + (size_t) (row0 + i) * n_embd, n_embd * sizeof(float));
+            }
+        }
+        ok();
+        return DSPARK_OK;
+    });
 }
 
 // ---- read-out -----------------------------------------------------------------------------------
 
 extern "C" int32_t dspark_argmax_rows(llama_context * ctx, int32_t i0, int32_t n, int32_t * ids, float * margin) {
-    if (!ctx || !ids || n <= 0 || i0 < 0) return fail(DSPARK_E_INVALID, "bad argument");
-    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
-    for (int32_t r = 0; r < n; ++r) {
-        const float * row = llama_get_logits_ith(ctx, i0 + r);
-        if (!row) return fail(DSPARK_E_STATE, "row %d of the last decode has no logits (not an output)", i0 + r);
-        int32_t best = 0;
-        float   b1 = -INFINITY, b2 = -INFINITY;
-        for (int32_t v = 0; v < n_vocab; ++v) {
-            const float x = row[v];
-            if (x > b1) { b2 = b1; b1 = x; best = v; }
-            else if (x > b2) { b2 = x; }
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!ctx || !ids || n <= 0 || i0 < 0) return fail(DSPARK_E_INVALID, "bad argument");
+        const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+        for (int32_t r = 0; r < n; ++r) {
+            const float * row = llama_get_logits_ith(ctx, i0 + r);
+            if (!row) return fail(DSPARK_E_STATE, "row %d of the last decode has no logits (not an output)", i0 + r);
+            dspark::argmax_row_f32(row, n_vocab, ids + r, margin ? margin + r : nullptr);
         }
-        ids[r] = best;
-        if (margin) margin[r] = b1 - b2;
-    }
-    ok();
-    return DSPARK_OK;
+        ok();
+        return DSPARK_OK;
+    });
 }
 
 extern "C" int32_t dspark_top_k_f32(const float * x, int32_t n, int32_t k, int32_t * ids) {
-    if (!x || !ids || n <= 0 || k <= 0 || k > n) return fail(DSPARK_E_INVALID, "bad argument (n %d, k %d)", n, k);
-    thread_local std::vector<int32_t> idx;
-    idx.resize((size_t) n);
-    for (int32_t i = 0; i < n; ++i) idx[i] = i;
-    // larger value first; NaN never wins
-    auto greater = [x](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
-    if (k < n) std::nth_element(idx.begin(), idx.begin() + (k - 1), idx.end(), greater);
-    std::memcpy(ids, idx.data(), (size_t) k * sizeof(int32_t));
-    ok();
-    return DSPARK_OK;
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!x || !ids || n <= 0 || k <= 0 || k > n) return fail(DSPARK_E_INVALID, "bad argument (n %d, k %d)", n, k);
+        dspark::top_k_f32(x, n, k, ids);
+        ok();
+        return DSPARK_OK;
+    });
 }
 
 // ---- draft --------------------------------------------------------------------------------------
@@ -304,54 +340,61 @@ struct dspark_draft {
     int32_t               n_rows_out = 0;  // rows of the last block decode
     llama_batch_ext *     batch = nullptr;
     int32_t               batch_cap = 0;
+    std::vector<float>    buf;           // captured rows on their way to the draft
+    ~dspark_draft() {
+        if (batch) llama_batch_ext_free(batch);
+    }
 };
 
-extern "C" int32_t dspark_read_draft_meta(const char * path, dspark_draft_meta * out) { return read_meta(path, out); }
+extern "C" int32_t dspark_read_draft_meta(const char * path, dspark_draft_meta * out) {
+    return dspark::guard(__func__, [&]() -> int32_t { return read_meta(path, out); });
+}
 
 extern "C" dspark_draft * dspark_draft_new(llama_context * dft, const dspark_target * target, const char * path) {
-    if (!dft || !target || !path) { fail(DSPARK_E_INVALID, "null argument"); return nullptr; }
-    dspark_draft_meta meta;
-    if (read_meta(path, &meta) != DSPARK_OK) return nullptr;
-    if ((int32_t) target->ids.size() != meta.n_target_layers) {
-        fail(DSPARK_E_INVALID, "target captures %zu layers, draft wants %d", target->ids.size(), meta.n_target_layers);
-        return nullptr;
-    }
-    for (int32_t i = 0; i < meta.n_target_layers; ++i) {
-        if (target->ids[i] != meta.target_layers[i]) {
-            fail(DSPARK_E_INVALID, "target capture layer %d != draft target layer %d", target->ids[i], meta.target_layers[i]);
+    return dspark::guard_ptr<dspark_draft>(__func__, [&]() -> dspark_draft * {
+        if (!dft || !target || !path) { fail(DSPARK_E_INVALID, "null argument"); return nullptr; }
+        dspark_draft_meta meta;
+        if (read_meta(path, &meta) != DSPARK_OK) return nullptr;
+        if ((int32_t) target->ids.size() != meta.n_target_layers) {
+            fail(DSPARK_E_INVALID, "target captures %zu layers, draft wants %d", target->ids.size(), meta.n_target_layers);
             return nullptr;
         }
-    }
-    if (meta.block_size <= 0) { fail(DSPARK_E_INVALID, "draft has no dflash.block_size"); return nullptr; }
-    const llama_model * mdl = llama_get_model(dft);
-    if (llama_model_n_embd(mdl) != target->n_embd) {
-        fail(DSPARK_E_INVALID, "draft n_embd %d != target n_embd %d", llama_model_n_embd(mdl), target->n_embd);
-        return nullptr;
-    }
-    auto * d      = new dspark_draft();
-    d->ctx        = dft;
-    d->target     = target;
-    d->meta       = meta;
-    d->width      = (int32_t) target->ids.size() * target->n_embd;
-    d->n_embd     = llama_model_n_embd(mdl);
-    d->n_vocab    = llama_vocab_n_tokens(llama_model_get_vocab(mdl));
-    d->batch      = llama_batch_ext_init(dft);
-    d->batch_cap  = (int32_t) llama_n_batch(dft);
-    llama_set_embeddings_nextn(dft, meta.has_confidence != 0, /*masked*/ true);
-    llama_set_causal_attn(dft, meta.causal != 0);
-    ok();
-    return d;
+        for (int32_t i = 0; i < meta.n_target_layers; ++i) {
+            if (target->ids[i] != meta.target_layers[i]) {
+                fail(DSPARK_E_INVALID, "target capture layer %d != draft target layer %d", target->ids[i], meta.target_layers[i]);
+                return nullptr;
+            }
+        }
+        if (meta.block_size <= 0) { fail(DSPARK_E_INVALID, "draft has no dflash.block_size"); return nullptr; }
+        const llama_model * mdl = llama_get_model(dft);
+        if (llama_model_n_embd(mdl) != target->n_embd) {
+            fail(DSPARK_E_INVALID, "draft n_embd %d != target n_embd %d", llama_model_n_embd(mdl), target->n_embd);
+            return nullptr;
+        }
+        auto d       = std::make_unique<dspark_draft>();
+        d->ctx       = dft;
+        d->target    = target;
+        d->meta      = meta;
+        d->width     = (int32_t) target->ids.size() * target->n_embd;
+        d->n_embd    = llama_model_n_embd(mdl);
+        d->n_vocab   = llama_vocab_n_tokens(llama_model_get_vocab(mdl));
+        d->batch     = llama_batch_ext_init(dft);
+        if (!d->batch) { fail(DSPARK_E_LLAMA, "llama_batch_ext_init failed"); return nullptr; }
+        d->batch_cap = (int32_t) llama_n_batch(dft);
+        llama_set_embeddings_nextn(dft, meta.has_confidence != 0, /*masked*/ true);
+        llama_set_causal_attn(dft, meta.causal != 0);
+        ok();
+        return d.release();
+    });
 }
 
 extern "C" void dspark_draft_free(dspark_draft * d) {
-    if (!d) return;
-    if (d->batch) llama_batch_ext_free(d->batch);
-    delete d;
+    dspark::guard_void(__func__, [&]() { delete d; });
 }
 
 extern "C" int32_t dspark_draft_get_meta(const dspark_draft * d, dspark_draft_meta * out) {
     if (!d || !out) return fail(DSPARK_E_INVALID, "null argument");
-    *out = d->meta;
+    *out = d->meta;  // a struct copy: cannot throw
     ok();
     return DSPARK_OK;
 }
@@ -382,210 +425,73 @@ int32_t inject_rows(dspark_draft * d, const float * rows, int32_t n, const int32
 }  // namespace
 
 extern "C" int32_t dspark_draft_inject(dspark_draft * d, const float * rows, int32_t n, const int32_t * pos, int32_t seq_id) {
-    if (!d || !rows || !pos || n <= 0) return fail(DSPARK_E_INVALID, "bad argument");
-    for (int32_t i = 0; i < n; ++i) if (pos[i] < 0) return fail(DSPARK_E_INVALID, "negative position");
-    return inject_rows(d, rows, n, pos, 0, seq_id);
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!d || !rows || !pos || n <= 0) return fail(DSPARK_E_INVALID, "bad argument");
+        for (int32_t i = 0; i < n; ++i) if (pos[i] < 0) return fail(DSPARK_E_INVALID, "negative position");
+        return inject_rows(d, rows, n, pos, 0, seq_id);
+    });
 }
 
 extern "C" int32_t dspark_draft_inject_captured(dspark_draft * d, int32_t row0, int32_t n, int32_t pos0, int32_t seq_id) {
-    if (!d || n <= 0 || pos0 < 0) return fail(DSPARK_E_INVALID, "bad argument");
-    thread_local std::vector<float> buf;
-    buf.resize((size_t) n * d->width);
-    const int32_t rc = dspark_target_copy_features(d->target, row0, n, buf.data());
-    if (rc != DSPARK_OK) return rc;
-    return inject_rows(d, buf.data(), n, nullptr, pos0, seq_id);
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!d || n <= 0 || pos0 < 0) return fail(DSPARK_E_INVALID, "bad argument");
+        const int32_t chk = check_captured(d->target, row0, n);  // before sizing the buffer
+        if (chk != DSPARK_OK) return chk;
+        d->buf.resize((size_t) n * d->width);
+        const int32_t rc = dspark_target_copy_features(d->target, row0, n, d->buf.data());
+        if (rc != DSPARK_OK) return rc;
+        return inject_rows(d, d->buf.data(), n, nullptr, pos0, seq_id);
+    });
 }
 
 extern "C" int32_t dspark_draft_decode_blocks(dspark_draft * d, const int32_t * tokens, int32_t block_len,
                                               const int32_t * pos0, const int32_t * seq_ids, int32_t n_seqs) {
-    if (!d || !tokens || !pos0 || !seq_ids || block_len <= 0 || n_seqs <= 0) return fail(DSPARK_E_INVALID, "bad argument");
-    const int32_t n = block_len * n_seqs;
-    if (n > d->batch_cap) return fail(DSPARK_E_INVALID, "%d block rows exceed the draft n_batch %d", n, d->batch_cap);
-    if (d->meta.has_markov && block_len > d->meta.block_size) {
-        // llama.cpp silently skips the Markov head and confidence for longer blocks
-        return fail(DSPARK_E_INVALID, "block of %d exceeds the draft's trained block_size %d", block_len, d->meta.block_size);
-    }
-    const int32_t n_seq = (int32_t) llama_n_seq_max(d->ctx);
-    llama_batch_ext_clear(d->batch);
-    for (int32_t s = 0; s < n_seqs; ++s) {
-        if (seq_ids[s] < 0 || seq_ids[s] >= n_seq) return fail(DSPARK_E_INVALID, "seq_id %d out of range", seq_ids[s]);
-        if (pos0[s] < 0) return fail(DSPARK_E_INVALID, "negative position");
-        for (int32_t i = 0; i < block_len; ++i) {
-            const int32_t tok = tokens[(size_t) s * block_len + i];
-            if (tok < 0 || tok >= d->n_vocab) return fail(DSPARK_E_INVALID, "token %d out of vocab", tok);
-            const int32_t idx = llama_batch_ext_add_token(d->batch, seq_ids[s], tok);
-            if (idx < 0) return fail(DSPARK_E_LLAMA, "llama_batch_ext_add_token failed (%d)", idx);
-            const llama_pos p = pos0[s] + i;
-            const llama_pos parr[4] = { p, p, p, 0 };
-            llama_batch_ext_set_pos(d->batch, idx, parr);
-            llama_batch_ext_set_output_logits(d->batch, idx, true);  // hazard: flag every block row
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!d || !tokens || !pos0 || !seq_ids || block_len <= 0 || n_seqs <= 0) return fail(DSPARK_E_INVALID, "bad argument");
+        if ((int64_t) block_len * n_seqs > d->batch_cap) {
+            return fail(DSPARK_E_INVALID, "%lld block rows exceed the draft n_batch %d", (long long) block_len * n_seqs, d->batch_cap);
         }
-    }
-    d->n_rows_out = 0;
-    const int32_t rc = llama_process(d->ctx, LLAMA_PROCESS_TYPE_DECODE, d->batch);
-    if (rc != 0) return fail(rc < 0 ? DSPARK_E_LLAMA : rc, "llama_process(draft block) returned %d", rc);
-    d->n_rows_out = n;
-    ok();
-    return DSPARK_OK;
+        const int32_t n = block_len * n_seqs;
+        if (d->meta.has_markov && block_len > d->meta.block_size) {
+            // llama.cpp silently skips the Markov head and confidence for longer blocks
+            return fail(DSPARK_E_INVALID, "block of %d exceeds the draft's trained block_size %d", block_len, d->meta.block_size);
+        }
+        const int32_t n_seq = (int32_t) llama_n_seq_max(d->ctx);
+        llama_batch_ext_clear(d->batch);
+        for (int32_t s = 0; s < n_seqs; ++s) {
+            if (seq_ids[s] < 0 || seq_ids[s] >= n_seq) return fail(DSPARK_E_INVALID, "seq_id %d out of range", seq_ids[s]);
+            if (pos0[s] < 0) return fail(DSPARK_E_INVALID, "negative position");
+            for (int32_t i = 0; i < block_len; ++i) {
+                const int32_t tok = tokens[(size_t) s * block_len + i];
+                if (tok < 0 || tok >= d->n_vocab) return fail(DSPARK_E_INVALID, "token %d out of vocab", tok);
+                const int32_t idx = llama_batch_ext_add_token(d->batch, seq_ids[s], tok);
+                if (idx < 0) return fail(DSPARK_E_LLAMA, "llama_batch_ext_add_token failed (%d)", idx);
+                const llama_pos p = pos0[s] + i;
+                const llama_pos parr[4] = { p, p, p, 0 };
+                llama_batch_ext_set_pos(d->batch, idx, parr);
+                llama_batch_ext_set_output_logits(d->batch, idx, true);  // hazard: flag every block row
+            }
+        }
+        d->n_rows_out = 0;
+        const int32_t rc = llama_process(d->ctx, LLAMA_PROCESS_TYPE_DECODE, d->batch);
+        if (rc != 0) return fail(rc < 0 ? DSPARK_E_LLAMA : rc, "llama_process(draft block) returned %d", rc);
+        d->n_rows_out = n;
+        ok();
+        return DSPARK_OK;
+    });
 }
 
 extern "C" int32_t dspark_draft_confidence(dspark_draft * d, int32_t i0, int32_t n, float * out) {
-    if (!d || !out || i0 < 0 || n <= 0) return fail(DSPARK_E_INVALID, "bad argument");
-    if (!d->meta.has_confidence) return fail(DSPARK_E_UNSUPPORTED, "this draft has no confidence head");
-    if (i0 + n > d->n_rows_out) return fail(DSPARK_E_STATE, "rows %d..%d not in the last draft decode (%d rows)", i0, i0 + n - 1, d->n_rows_out);
-    for (int32_t i = 0; i < n; ++i) {
-        const float * row = llama_get_embeddings_nextn_ith(d->ctx, i0 + i);
-        if (!row) return fail(DSPARK_E_STATE, "no confidence row %d", i0 + i);
-        out[i] = row[0];
-    }
-    ok();
-    return DSPARK_OK;
-}
-
-// ---- Markov head ----------------------------------------------------------------------------------
-
-struct dspark_markov {
-    ggml_backend_t        backend = nullptr;
-    ggml_context *        wctx = nullptr;    // weight tensors
-    ggml_backend_buffer_t wbuf = nullptr;
-    ggml_tensor *         w1 = nullptr;      // ne {rank, n_vocab}
-    ggml_tensor *         w2 = nullptr;      // ne {rank, n_vocab_draft}
-    ggml_tensor *         w2s = nullptr;     // ne {1} or null
-    ggml_gallocr_t        galloc = nullptr;
-    std::string           backend_name;
-};
-
-extern "C" void dspark_markov_free(dspark_markov * m) {
-    if (!m) return;
-    if (m->galloc) ggml_gallocr_free(m->galloc);
-    if (m->wbuf) ggml_backend_buffer_free(m->wbuf);
-    if (m->wctx) ggml_free(m->wctx);
-    if (m->backend) ggml_backend_free(m->backend);
-    delete m;
-}
-
-extern "C" dspark_markov * dspark_markov_new(const char * draft_path, int32_t use_gpu, int32_t n_threads) {
-    if (!draft_path) { fail(DSPARK_E_INVALID, "null path"); return nullptr; }
-    gguf_file f(draft_path, true);
-    if (!f.g) { fail(DSPARK_E_IO, "cannot read GGUF file '%s'", draft_path); return nullptr; }
-    const char * names[3] = { "markov_w1.weight", "markov_w2.weight", "markov_w2.scale" };
-    ggml_tensor * src[3];
-    for (int i = 0; i < 3; ++i) src[i] = ggml_get_tensor(f.meta, names[i]);
-    if (!src[0] || !src[1]) { fail(DSPARK_E_UNSUPPORTED, "draft has no Markov head (markov_w1/markov_w2)"); return nullptr; }
-    if (src[0]->ne[0] != src[1]->ne[0]) { fail(DSPARK_E_INVALID, "markov_w1/markov_w2 rank mismatch"); return nullptr; }
-
-    auto * m = new dspark_markov();
-    if (use_gpu) m->backend = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_GPU, nullptr);
-    if (!m->backend) m->backend = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
-    if (!m->backend) { fail(DSPARK_E_LLAMA, "no ggml backend available"); dspark_markov_free(m); return nullptr; }
-    m->backend_name = ggml_backend_name(m->backend);
-    if (n_threads > 0) {
-        ggml_backend_dev_t dev = ggml_backend_get_device(m->backend);
-        ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-        auto * set_threads = reg ? (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads") : nullptr;
-        if (set_threads) set_threads(m->backend, n_threads);
-    }
-
-    ggml_init_params ip = { 4 * ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
-    m->wctx = ggml_init(ip);
-    ggml_tensor ** dst[3] = { &m->w1, &m->w2, &m->w2s };
-    for (int i = 0; i < 3; ++i) {
-        if (!src[i]) continue;
-        *dst[i] = ggml_dup_tensor(m->wctx, src[i]);
-        ggml_set_name(*dst[i], names[i]);
-    }
-    m->wbuf = ggml_backend_alloc_ctx_tensors(m->wctx, m->backend);
-    if (!m->wbuf) { fail(DSPARK_E_LLAMA, "cannot allocate Markov weights on %s", m->backend_name.c_str()); dspark_markov_free(m); return nullptr; }
-
-    FILE * fp = fopen(draft_path, "rb");
-    if (!fp) { fail(DSPARK_E_IO, "cannot open '%s'", draft_path); dspark_markov_free(m); return nullptr; }
-    std::vector<uint8_t> tmp;
-    const size_t data_off = gguf_get_data_offset(f.g);
-    for (int i = 0; i < 3; ++i) {
-        if (!src[i]) continue;
-        const int64_t tid = gguf_find_tensor(f.g, names[i]);
-        const size_t nbytes = ggml_nbytes(src[i]);
-        tmp.resize(nbytes);
-        if (fseek(fp, (long) (data_off + gguf_get_tensor_offset(f.g, tid)), SEEK_SET) != 0 ||
-            fread(tmp.data(), 1, nbytes, fp) != nbytes) {
-            fclose(fp);
-            fail(DSPARK_E_IO, "truncated tensor data for %s in '%s'", names[i], draft_path);
-            dspark_markov_free(m);
-            return nullptr;
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!d || !out || i0 < 0 || n <= 0) return fail(DSPARK_E_INVALID, "bad argument");
+        if (!d->meta.has_confidence) return fail(DSPARK_E_UNSUPPORTED, "this draft has no confidence head");
+        if (i0 > d->n_rows_out - n) return fail(DSPARK_E_STATE, "rows %d..%lld not in the last draft decode (%d rows)", i0, (long long) i0 + n - 1, d->n_rows_out);
+        for (int32_t i = 0; i < n; ++i) {
+            const float * row = llama_get_embeddings_nextn_ith(d->ctx, i0 + i);
+            if (!row) return fail(DSPARK_E_STATE, "no confidence row %d", i0 + i);
+            out[i] = row[0];
         }
-        ggml_backend_tensor_set(*dst[i], tmp.data(), 0, nbytes);
-    }
-    fclose(fp);
-    m->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(m->backend));
-    ok();
-    return m;
-}
-
-extern "C" int32_t dspark_markov_rank(const dspark_markov * m) { return m ? (int32_t) m->w1->ne[0] : 0; }
-extern "C" int32_t dspark_markov_n_vocab(const dspark_markov * m) { return m ? (int32_t) m->w1->ne[1] : 0; }
-extern "C" int32_t dspark_markov_n_vocab_draft(const dspark_markov * m) { return m ? (int32_t) m->w2->ne[1] : 0; }
-extern "C" const char * dspark_markov_backend_name(const dspark_markov * m) { return m ? m->backend_name.c_str() : ""; }
-
-namespace {
-// Runs get_rows(W1, prev) on the backend and copies it to out_w1 (when given), and W2 . that
-// (scaled) to out_bias (when given): one graph, one compute.
-int32_t markov_run2(dspark_markov * m, const int32_t * prev, int32_t n, float * out_bias, float * out_w1) {
-    if (!m || !prev || (!out_bias && !out_w1) || n <= 0) return fail(DSPARK_E_INVALID, "bad argument");
-    const int64_t n_vocab = m->w1->ne[1];
-    for (int32_t i = 0; i < n; ++i) {
-        if (prev[i] < 0 || prev[i] >= n_vocab) return fail(DSPARK_E_INVALID, "token %d out of vocab (%lld)", prev[i], (long long) n_vocab);
-    }
-    ggml_init_params ip = { 16 * ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc*/ true };
-    ggml_context * gctx = ggml_init(ip);
-    ggml_tensor * ids = ggml_new_tensor_1d(gctx, GGML_TYPE_I32, n);
-    ggml_set_input(ids);
-    ggml_tensor * rows = ggml_get_rows(gctx, m->w1, ids);  // [rank, n]
-    ggml_tensor * w1_out = nullptr;
-    ggml_tensor * bias = nullptr;
-    ggml_cgraph * gf = ggml_new_graph(gctx);
-    if (out_bias) {
-        bias = ggml_mul_mat(gctx, m->w2, rows);             // [n_vocab_draft, n]
-        if (m->w2s) bias = ggml_mul(gctx, bias, m->w2s);
-        ggml_set_output(bias);
-        ggml_build_forward_expand(gf, bias);
-    }
-    if (out_w1) {
-        w1_out = rows->type == GGML_TYPE_F32 ? rows : ggml_cast(gctx, rows, GGML_TYPE_F32);
-        ggml_set_output(w1_out);
-        ggml_build_forward_expand(gf, w1_out);
-    }
-    int32_t rc = DSPARK_OK;
-    if (!ggml_gallocr_alloc_graph(m->galloc, gf)) {
-        rc = fail(DSPARK_E_LLAMA, "cannot allocate the Markov graph");
-    } else {
-        ggml_backend_tensor_set(ids, prev, 0, (size_t) n * sizeof(int32_t));
-        if (ggml_backend_graph_compute(m->backend, gf) != GGML_STATUS_SUCCESS) {
-            rc = fail(DSPARK_E_LLAMA, "Markov graph compute failed");
-        } else {
-            if (bias) ggml_backend_tensor_get(bias, out_bias, 0, ggml_nbytes(bias));
-            if (w1_out) ggml_backend_tensor_get(w1_out, out_w1, 0, ggml_nbytes(w1_out));
-            ok();
-        }
-    }
-    ggml_free(gctx);
-    return rc;
-}
-
-// Runs get_rows(W1, prev) (and, when with_w2, W2 . that, scaled) on the backend; copies the result.
-int32_t markov_run(dspark_markov * m, const int32_t * prev, int32_t n, float * out, bool with_w2) {
-    if (!out) return fail(DSPARK_E_INVALID, "bad argument");
-    return with_w2 ? markov_run2(m, prev, n, out, nullptr) : markov_run2(m, prev, n, nullptr, out);
-}
-}  // namespace
-
-extern "C" int32_t dspark_markov_bias(dspark_markov * m, const int32_t * prev, int32_t n, float * out) {
-    return markov_run(m, prev, n, out, true);
-}
-
-extern "C" int32_t dspark_markov_w1_rows(dspark_markov * m, const int32_t * prev, int32_t n, float * out) {
-    return markov_run(m, prev, n, out, false);
-}
-
-extern "C" int32_t dspark_markov_bias_w1(dspark_markov * m, const int32_t * prev, int32_t n, float * out_bias, float * out_w1) {
-    return markov_run2(m, prev, n, out_bias, out_w1);
+        ok();
+        return DSPARK_OK;
+    });
 }

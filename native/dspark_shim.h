@@ -1,7 +1,8 @@
 // pyllama-dspark native shim: a plain C ABI over the parts of llama.cpp that Python cannot reach
 // through llama-cpp-python (the staging C++ API in src/llama-ext.h) plus a small on-device
-// Markov-bias graph.  Every function that can fail returns a negative status and leaves a message
-// in dspark_last_error(); nothing here aborts on input it can check.
+// Markov-bias graph, and llama.cpp's sampler chain at C speed for large vocabularies.  Every function
+// that can fail returns a negative status and leaves a message in dspark_last_error(); nothing here
+// aborts on input it can check, and no C++ exception crosses this ABI (DSPARK_E_INTERNAL instead).
 #pragma once
 
 #include <stddef.h>
@@ -30,11 +31,15 @@ enum dspark_status {
     DSPARK_E_LLAMA       = -3,  // llama.cpp returned an error (its code is in the message)
     DSPARK_E_IO          = -4,  // file could not be read
     DSPARK_E_UNSUPPORTED = -5,  // the model lacks what was asked for (no confidence head, ...)
+    DSPARK_E_INTERNAL    = -6,  // a C++ exception inside the shim (out of memory, ...): see the message
 };
 
 DSPARK_API int32_t      dspark_abi_version(void);
 DSPARK_API const char * dspark_last_error(void);       // thread-local; "" when the last call succeeded
 DSPARK_API void *       dspark_llama_backend_init_address(void);  // &llama_backend_init as this library binds it
+// Test hook for the exception guard: kind 0 throws std::runtime_error, 1 std::bad_alloc, 2 a
+// non-std exception, 3 allocates 2^62 floats; each returns DSPARK_E_INTERNAL.  Other kinds: DSPARK_OK.
+DSPARK_API int32_t      dspark_test_throw(int32_t kind);
 
 // ---------------------------------------------------------------------------------------------
 // Target: layer-input capture and decoding through a reusable batch.
@@ -65,6 +70,37 @@ DSPARK_API int32_t dspark_argmax_rows(struct llama_context * ctx, int32_t i0, in
 // ids[0..k-1] = indices of the k largest of x[0..n-1] (in no particular order; ties go to the
 // lower index).  The sampler chain's top-k selection.
 DSPARK_API int32_t dspark_top_k_f32(const float * x, int32_t n, int32_t k, int32_t * ids);
+// dspark_argmax_rows on n_rows float rows of n values each (row-major x).
+DSPARK_API int32_t dspark_argmax_f32(const float * x, int32_t n_rows, int32_t n, int32_t * ids, float * margin);
+
+// ---------------------------------------------------------------------------------------------
+// llama.cpp's sampler chain (common/sampling.cpp's order; DRY, typical-p, top-n-sigma, XTC and
+// mirostat are not supported): logit bias -inf on banned ids -> penalties -> top_k -> top_p ->
+// min_p -> temperature -> softmax, the same kept set and probabilities as llama.cpp's samplers.
+typedef struct dspark_chain_params {
+    float   temperature;        // <= 0: greedy: the first argmax of the banned / penalized row
+    int32_t top_k;              // <= 0 or >= n_vocab: off
+    float   top_p;              // in [0, 1]; 1: off
+    float   min_p;              // in [0, 1]; 0: off
+    float   repeat_penalty;     // > 0; 1: off
+    float   frequency_penalty;  // 0: off
+    float   presence_penalty;   // 0: off
+} dspark_chain_params;
+
+// The distribution the chain samples from for one logits row, sparse: out_ids[0..r-1] the kept
+// token ids in ascending order, out_probs[0..r-1] their probabilities (> 0, summing to 1); returns
+// r >= 1 or a negative status (DSPARK_E_INVALID also when no finite logit survives, or when more
+// than cap tokens are kept: cap = n_vocab always suffices).  window[0..n_window-1]: the token ids
+// the penalties count (the last penalty_last_n of the sequence); banned[0..n_banned-1]: ids that
+// can never be drawn.  The row is not modified.
+DSPARK_API int32_t dspark_chain_dist(const float * logits, int32_t n_vocab, const dspark_chain_params * params,
+                                     const int32_t * window, int32_t n_window, const int32_t * banned,
+                                     int32_t n_banned, int32_t * out_ids, double * out_probs, int32_t cap);
+// Inverse-CDF draw from weights probs[0..n-1] (>= 0, positive sum), u in [0, 1): the first index
+// whose running sum exceeds u * total (n - 1 when rounding leaves none); the running sums add whole
+// blocks of 256 first, so the last bits can differ from a sequential cumsum.  Returns the index or
+// a negative status.
+DSPARK_API int32_t dspark_sample_cdf(const double * probs, int32_t n, double u);
 
 // ---------------------------------------------------------------------------------------------
 // Draft: DFlash / DSpark draft context (created by the caller with ctx_other = target context).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from ctypes import POINTER, c_char_p, c_float, c_int8, c_int32, c_void_p
+from ctypes import POINTER, c_char_p, c_double, c_float, c_int8, c_int32, c_void_p
 from pathlib import Path
 
 import llama_cpp  # noqa: F401  (loads libllama/libggml first, RTLD_GLOBAL)
@@ -27,6 +27,7 @@ E_STATE = -2
 E_LLAMA = -3
 E_IO = -4
 E_UNSUPPORTED = -5
+E_INTERNAL = -6   # a C++ exception caught at the shim's C boundary (out of memory, ...)
 
 
 class DraftMeta(ctypes.Structure):
@@ -44,6 +45,19 @@ class DraftMeta(ctypes.Structure):
         ("has_d2t", c_int32),
         ("n_vocab_draft", c_int32),
         ("n_embd", c_int32),
+    ]
+
+
+class ChainParams(ctypes.Structure):
+    # typedef struct dspark_chain_params {...} dspark_chain_params;
+    _fields_ = [
+        ("temperature", c_float),
+        ("top_k", c_int32),
+        ("top_p", c_float),
+        ("min_p", c_float),
+        ("repeat_penalty", c_float),
+        ("frequency_penalty", c_float),
+        ("presence_penalty", c_float),
     ]
 
 
@@ -73,7 +87,9 @@ lib = ctypes.CDLL(str(_shim_path()), mode=ctypes.RTLD_GLOBAL)
 _p_i32 = POINTER(c_int32)
 _p_f32 = POINTER(c_float)
 _p_i8 = POINTER(c_int8)
+_p_f64 = POINTER(c_double)
 _p_meta = POINTER(DraftMeta)
+_p_chain = POINTER(ChainParams)
 
 
 def _proto(name, restype, *argtypes):
@@ -83,12 +99,22 @@ def _proto(name, restype, *argtypes):
     return fn
 
 
+def _proto_opt(name, restype, *argtypes):
+    """An entry point added after ABI 1 (None when the loaded shim predates it: callers fall back)."""
+    try:
+        return _proto(name, restype, *argtypes)
+    except AttributeError:
+        return None
+
+
 # int32_t dspark_abi_version(void);
 abi_version = _proto("dspark_abi_version", c_int32)
 # const char * dspark_last_error(void);
 last_error = _proto("dspark_last_error", c_char_p)
 # void * dspark_llama_backend_init_address(void);
 llama_backend_init_address = _proto("dspark_llama_backend_init_address", c_void_p)
+# int32_t dspark_test_throw(int32_t kind);
+test_throw = _proto_opt("dspark_test_throw", c_int32, c_int32)
 
 # dspark_target * dspark_target_new(llama_context * ctx, const int32_t * layer_ids, int32_t n_ids, int32_t allow_last);
 target_new = _proto("dspark_target_new", c_void_p, c_void_p, _p_i32, c_int32, c_int32)
@@ -108,6 +134,16 @@ target_copy_features = _proto("dspark_target_copy_features", c_int32, c_void_p, 
 argmax_rows = _proto("dspark_argmax_rows", c_int32, c_void_p, c_int32, c_int32, _p_i32, _p_f32)
 # int32_t dspark_top_k_f32(const float * x, int32_t n, int32_t k, int32_t * ids);
 top_k_f32 = _proto("dspark_top_k_f32", c_int32, _p_f32, c_int32, c_int32, _p_i32)
+# int32_t dspark_argmax_f32(const float * x, int32_t n_rows, int32_t n, int32_t * ids, float * margin);
+argmax_f32 = _proto_opt("dspark_argmax_f32", c_int32, _p_f32, c_int32, c_int32, _p_i32, _p_f32)
+
+# int32_t dspark_chain_dist(const float * logits, int32_t n_vocab, const dspark_chain_params * params,
+#                           const int32_t * window, int32_t n_window, const int32_t * banned, int32_t n_banned,
+#                           int32_t * out_ids, double * out_probs, int32_t cap);
+chain_dist = _proto_opt("dspark_chain_dist", c_int32, _p_f32, c_int32, _p_chain, _p_i32, c_int32, _p_i32, c_int32,
+                    _p_i32, _p_f64, c_int32)
+# int32_t dspark_sample_cdf(const double * probs, int32_t n, double u);
+sample_cdf = _proto_opt("dspark_sample_cdf", c_int32, _p_f64, c_int32, c_double)
 
 # int32_t dspark_read_draft_meta(const char * path, dspark_draft_meta * out);
 read_draft_meta = _proto("dspark_read_draft_meta", c_int32, c_char_p, _p_meta)
@@ -181,6 +217,10 @@ def ptr_i32(a):
 
 def ptr_f32(a):
     return a.ctypes.data_as(_p_f32)
+
+
+def ptr_f64(a):
+    return a.ctypes.data_as(_p_f64)
 
 
 def ptr_i8(a):

@@ -19,19 +19,29 @@ The penalties are a deterministic function of the sequence prefix, so speculativ
 lossless with them: the draft and the target see the same history (committed tokens plus the
 drafted prefix) at every block position.
 
-``temperature <= 0`` means greedy: the engine then takes its exact greedy path and never calls
-into this module's chain.
+``temperature <= 0`` means greedy.  Without penalties the engine takes its exact greedy path and
+never calls into this module.  With penalties (llama.cpp applies them before the greedy pick) a
+:class:`TokenSampler` stands in: its rows are one-hot at the argmax of the penalized row, so the
+speculative accept rule reduces to "draft == penalized argmax", the history including the drafted
+prefix.
+
+The chain runs in the native shim (``dspark_chain_dist``: one pass or a few over the row, no sort
+of the vocabulary; see native/dspark_sampler.cpp) and returns the distribution sparse, as a
+:class:`Dist`; :func:`chain_dist_numpy` is the same chain in numpy (the fallback when the loaded
+shim predates it, and the "before" of ``bench/sampler_rows.py``).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Dist", "SamplingParams", "TokenSampler", "chain_dist", "chain_probs", "sample_from", "resolve_seed"]
+__all__ = ["Dist", "SamplingParams", "TokenSampler", "chain_dist", "chain_dist_numpy", "chain_probs", "greedy_dist",
+           "sample_from", "resolve_seed"]
 
 # llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed"
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
@@ -132,23 +142,34 @@ def apply_penalties(logits: np.ndarray, window: np.ndarray, params: SamplingPara
     return out
 
 
-_native_top_k = None
+_nat = None
+
+
+def _native():
+    """The shim's ctypes module, or False when it cannot be loaded (this module stays usable)."""
+    global _nat
+    if _nat is None:
+        try:
+            from . import _native as n
+
+            _nat = n
+        except Exception:  # the pure-numpy fallback keeps this module usable without the shim
+            _nat = False
+    return _nat
+
+
+def _native_chain():
+    """The shim's ctypes module when it has the C sampler chain, else False."""
+    n = _native()
+    return n if n and n.chain_dist is not None else False
 
 
 def _top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest entries of x (any order): the shim's nth_element, else numpy."""
-    global _native_top_k
-    if _native_top_k is None:
-        try:
-            from . import _native
-
-            _native_top_k = _native
-        except Exception:  # the pure-numpy fallback keeps this module usable without the shim
-            _native_top_k = False
-    if _native_top_k and x.dtype == np.float32 and x.flags.c_contiguous:
+    """Indices of the k largest entries of x (any order): the shim's top-k scan, else numpy."""
+    nat = _native()
+    if nat and x.dtype == np.float32 and x.flags.c_contiguous:
         out = np.empty(k, dtype=np.int32)
-        _native_top_k.check(_native_top_k.top_k_f32(_native_top_k.ptr_f32(x), x.size, k,
-                                                    _native_top_k.ptr_i32(out)), "top-k")
+        nat.check(nat.top_k_f32(nat.ptr_f32(x), x.size, k, nat.ptr_i32(out)), "top-k")
         return out.astype(np.int64)
     return np.argpartition(x, x.size - k)[x.size - k:]
 
@@ -194,6 +215,18 @@ class Dist:
         j = int(np.searchsorted(self.ids, t))
         return float(self.probs[j]) if j < self.ids.size and self.ids[j] == t else 0.0
 
+    @classmethod
+    def one_hot(cls, token: int, n_vocab: int) -> "Dist":
+        return cls(np.asarray([int(token)], dtype=np.int64), np.ones(1), n_vocab)
+
+    def at(self, ids: np.ndarray) -> np.ndarray:
+        """Probabilities of the token ids ``ids`` (an array; 0.0 outside the support)."""
+        ids = np.asarray(ids)
+        j = np.searchsorted(self.ids, ids)
+        jc = np.minimum(j, self.ids.size - 1)
+        hit = (j < self.ids.size) & (self.ids[jc] == ids)
+        return np.where(hit, self.probs[jc], 0.0)
+
     def dense(self) -> np.ndarray:
         out = np.zeros(self.n_vocab, dtype=np.float64)
         out[self.ids] = self.probs
@@ -204,9 +237,75 @@ class Dist:
         return d if dtype is None else d.astype(dtype)
 
     def sample(self, u: float) -> int:
+        """Inverse-CDF draw in ascending id order (the same index for the same u on any path)."""
+        n = self.ids.size
+        if n == 1:
+            return int(self.ids[0])
+        nat = _native_chain()
+        if nat and n > 512 and self.probs.dtype == np.float64 and self.probs.flags.c_contiguous:
+            j = nat.sample_cdf(nat.ptr_f64(self.probs), n, float(u))
+            if j < 0:
+                raise ValueError(f"cannot sample: {nat.error_message()}")
+            return int(self.ids[j])
         c = np.cumsum(self.probs)
         j = int(np.searchsorted(c, u * c[-1], side="right"))
-        return int(self.ids[min(j, self.ids.size - 1)])
+        return int(self.ids[min(j, n - 1)])
+
+
+def _row(logits) -> np.ndarray:
+    x = np.asarray(logits)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"logits must be a non-empty 1-D row, got shape {x.shape}")
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    return x
+
+
+def _ids_i32(a, n_vocab: int, what: str) -> Optional[np.ndarray]:
+    if a is None or not len(a):
+        return None
+    out = np.ascontiguousarray(a, dtype=np.int32)
+    if out.min() < 0 or out.max() >= n_vocab:
+        raise ValueError(f"{what} token ids must be in 0..{n_vocab - 1}")
+    return out
+
+
+class _Scratch(threading.local):
+    ids: Optional[np.ndarray] = None
+    probs: Optional[np.ndarray] = None
+
+
+_scratch = _Scratch()
+
+
+def _chain_native(nat, x: np.ndarray, params: SamplingParams, window, banned, cparams=None) -> Dist:
+    n = x.size
+    w = _ids_i32(window, n, "penalty window") if params.has_penalties else None
+    b = _ids_i32(banned, n, "banned")
+    if cparams is None:
+        cparams = _c_params(nat, params)
+    sc = _scratch
+    if sc.ids is None or sc.ids.size < n:
+        sc.ids = np.empty(n, dtype=np.int32)
+        sc.probs = np.empty(n, dtype=np.float64)
+    ids, probs = sc.ids, sc.probs
+    r = nat.chain_dist(nat.ptr_f32(x), n, cparams,
+                       nat.ptr_i32(w) if w is not None else None, 0 if w is None else w.size,
+                       nat.ptr_i32(b) if b is not None else None, 0 if b is None else b.size,
+                       nat.ptr_i32(ids), nat.ptr_f64(probs), ids.size)
+    if r <= 0:
+        raise ValueError(f"sampler chain: {nat.error_message()}")
+    if r > n // 8:
+        # a large kept set: hand the buffers over instead of copying them (fresh ones next call)
+        sc.ids = sc.probs = None
+        return Dist(ids[:r], probs[:r], n)
+    return Dist(ids[:r].copy(), probs[:r].copy(), n)
+
+
+def _c_params(nat, params: SamplingParams):
+    return nat.ChainParams(float(params.temperature), int(params.top_k) if params.top_k > 0 else 0,
+                           float(params.top_p), float(params.min_p), float(params.repeat_penalty),
+                           float(params.frequency_penalty), float(params.presence_penalty))
 
 
 def chain_dist(logits: np.ndarray, params: SamplingParams, window: Optional[np.ndarray] = None,
@@ -219,11 +318,37 @@ def chain_dist(logits: np.ndarray, params: SamplingParams, window: Optional[np.n
     """
     if params.is_greedy:
         raise ValueError("the sampler chain needs temperature > 0 (temperature <= 0 is the greedy path)")
-    x = np.asarray(logits)
-    if x.ndim != 1 or x.size == 0:
-        raise ValueError(f"logits must be a non-empty 1-D row, got shape {x.shape}")
-    if x.dtype != np.float32:
-        x = x.astype(np.float32)
+    x = _row(logits)
+    nat = _native_chain()
+    if nat:
+        return _chain_native(nat, x, params, window, banned)
+    return chain_dist_numpy(x, params, window, banned)
+
+
+def greedy_dist(logits: np.ndarray, params: SamplingParams, window: Optional[np.ndarray] = None,
+                banned: Optional[np.ndarray] = None) -> Dist:
+    """One-hot at the first argmax of the banned / penalized row: llama.cpp's pick at temperature
+    0 (its penalties come before the greedy choice; top-k / top-p / min-p always keep the max)."""
+    x = _row(logits)
+    nat = _native_chain()
+    if nat:
+        return _chain_native(nat, x, replace(params, temperature=0.0), window, banned)
+    if banned is not None and len(banned):
+        x = np.array(x, copy=True)
+        x[np.asarray(banned, dtype=np.int64)] = -np.inf
+    if params.has_penalties and window is not None and len(window):
+        x = apply_penalties(x, np.asarray(window, dtype=np.int64), params)
+    if not np.isfinite(x.max()):
+        raise ValueError("no finite logit survives the sampler chain")
+    return Dist.one_hot(int(np.argmax(x)), x.size)
+
+
+def chain_dist_numpy(logits: np.ndarray, params: SamplingParams, window: Optional[np.ndarray] = None,
+                     banned: Optional[np.ndarray] = None) -> Dist:
+    """:func:`chain_dist` in numpy (the reference implementation the C chain replaced)."""
+    if params.is_greedy:
+        raise ValueError("the sampler chain needs temperature > 0 (temperature <= 0 is the greedy path)")
+    x = _row(logits)
     if banned is not None and len(banned):
         x = np.array(x, dtype=np.float32, copy=True)
         x[banned] = -np.inf
@@ -283,29 +408,45 @@ def sample_from(probs, u: float) -> int:
 
 
 class TokenSampler:
-    """Sampler state for one generation: parameters, a seeded RNG and the penalty history."""
+    """Sampler state for one generation: parameters, a seeded RNG and the penalty history.
+
+    At temperature <= 0 (only needed with penalties: llama.cpp's greedy pick over the penalized
+    row) :meth:`probs` is one-hot at that pick and the seed is None."""
 
     def __init__(self, params: SamplingParams, history: Iterable[int] = (), banned: Optional[Sequence[int]] = None):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
-        if params.is_greedy:
-            raise ValueError("TokenSampler is for temperature > 0")
         self.params = params
-        self.seed = resolve_seed(params.seed)
+        self.greedy = params.is_greedy
+        self.seed = None if self.greedy else resolve_seed(params.seed)
         self.rng = np.random.default_rng(self.seed)
         self.history: list = list(history) if params.has_penalties else []
         self.banned = None if banned is None or not len(banned) else np.unique(np.asarray(banned, dtype=np.int64))
+        self._banned32 = None if self.banned is None else self.banned.astype(np.int32)
+        nat = _native_chain()
+        self._nat = nat
+        self._cparams = _c_params(nat, replace(params, temperature=0.0) if self.greedy else params) if nat else None
 
     def window(self, extra: Sequence[int] = ()) -> Optional[np.ndarray]:
         """The last penalty_last_n tokens of history + extra (None when penalties are off)."""
         if not self.params.has_penalties:
             return None
         n = self.params.penalty_last_n
-        seq = self.history + list(extra) if len(extra) else self.history
-        return np.asarray(seq if n < 0 else seq[-n:], dtype=np.int64)
+        extra = list(extra)
+        if n < 0:
+            seq = self.history + extra
+        else:
+            seq = (self.history[-n:] + extra)[-n:] if n > 0 else []
+        return np.asarray(seq, dtype=np.int32)
 
     def probs(self, logits: np.ndarray, extra: Sequence[int] = ()) -> Dist:
-        """Chain distribution of a logits row, the sequence being history + ``extra``."""
+        """Chain distribution of a logits row, the sequence being history + ``extra`` (one-hot at
+        the penalized argmax at temperature <= 0)."""
+        if self._nat:
+            return _chain_native(self._nat, _row(logits), self.params, self.window(extra), self._banned32,
+                                 self._cparams)
+        if self.greedy:
+            return greedy_dist(logits, self.params, self.window(extra), self.banned)
         return chain_dist(logits, self.params, self.window(extra), self.banned)
 
     def sample(self, probs) -> int:

@@ -1,0 +1,707 @@
+// llama.cpp's sampler chain on one float logits row, returning the distribution sparse (see
+// dspark_chain_dist in dspark_shim.h), plus the read-out helpers that scan whole vocabulary rows
+// (argmax/top-2, top-k, inverse-CDF draws).
+//
+// The chain is llama.cpp's (src/llama-sampler.cpp, order of common/sampling.cpp): logit bias -inf
+// on banned ids -> penalties -> top_k -> top_p -> min_p -> temperature -> softmax.  The kept set
+// and the probabilities are the same as llama.cpp's; what differs is the work: nothing is sorted
+// but the few candidates around a cut.  top_p over the whole vocabulary (top_k off) finds its cut
+// by bracketing: masses above several thresholds in one vectorized pass, then the same inside the
+// bracket, until a few thousand candidates are left to sort.  Every kept set is a prefix of the
+// row in (logit desc, id asc) order, so the output is one predicate scan in id order.
+#include "dspark_internal.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+using dspark::fail;
+using dspark::ok;
+
+namespace {
+
+// ---- candidates and cuts --------------------------------------------------------------------------
+
+// candidate order: logit descending, then id ascending (the tie rule of every cut)
+struct cand {
+    float   x;
+    int32_t id;
+};
+
+inline bool before(const cand & a, const cand & b) { return a.x > b.x || (a.x == b.x && a.id < b.id); }
+
+// The kept set is {x > v} U {x == v, id <= id_v} (a prefix in candidate order); v = -inf with
+// id_v = INT32_MAX means "every finite logit".
+struct cut {
+    float   v    = -INFINITY;
+    int32_t id_v = INT32_MAX;
+};
+
+// ---- vector kernels ----------------------------------------------------------------------------------
+// Written once over a GCC/Clang vector type V (8 lanes under AVX2+FMA, picked at run time on x86-64,
+// else 4 lanes: SSE2 / NEON), always inlined into the per-ISA entry points below.
+
+#define DSPARK_INLINE inline __attribute__((always_inline))
+#if defined(__GNUC__)
+#    pragma GCC diagnostic ignored "-Wpsabi"  // 32-byte vectors only inside the AVX2 functions
+#endif
+
+typedef float   f4 __attribute__((vector_size(16)));
+typedef float   f8 __attribute__((vector_size(32)));
+typedef double  d4 __attribute__((vector_size(32)));
+typedef double  d8 __attribute__((vector_size(64)));
+typedef uint64_t u8x2 __attribute__((vector_size(16)));
+typedef uint64_t u8x4 __attribute__((vector_size(32)));
+
+// exp(x) for x <= 0 (x = logit - max): relative error ~2e-7; 0 below -87.3 (and for -inf / NaN).
+// Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, degree-7 Taylor polynomial, 2^n from the bits.
+constexpr float kExpLo = -87.3f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;  // 9 significant bits: n * kLn2Hi is exact
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kRound = 12582912.0f;   // 1.5 * 2^23: (v + kRound) - kRound rounds to nearest
+
+template <class V>
+struct K {
+    using VI = decltype(V{} > V{});
+    static constexpr int L = (int) (sizeof(V) / sizeof(float));
+
+    static DSPARK_INLINE V load(const float * p) {
+        V v;
+        std::memcpy(&v, p, sizeof(v));
+        return v;
+    }
+    static DSPARK_INLINE void store(float * p, V v) { std::memcpy(p, &v, sizeof(v)); }
+    static DSPARK_INLINE V splat(float x) { return V{} + x; }
+    using VU = typename std::conditional<sizeof(V) == 32, u8x4, u8x2>::type;
+    using VD = typename std::conditional<sizeof(V) == 32, d8, d4>::type;
+    static DSPARK_INLINE bool any(VI m) {
+        const VU u = (VU) m;
+        uint64_t a = 0;
+        for (int j = 0; j < (int) (sizeof(V) / 8); ++j) a |= u[j];
+        return a != 0;
+    }
+    static DSPARK_INLINE bool all(VI m) {
+        const VU u = (VU) m;
+        uint64_t a = ~uint64_t(0);
+        for (int j = 0; j < (int) (sizeof(V) / 8); ++j) a &= u[j];
+        return a == ~uint64_t(0);
+    }
+
+    template <class T>
+    static DSPARK_INLINE T exp_neg(T x) {  // T = V or float
+        if constexpr (std::is_same<T, float>::value) {
+            const bool  zero = !(x >= kExpLo);
+            const float xc   = zero ? 0.0f : x;
+            const float n    = (xc * kLog2e + kRound) - kRound;
+            float       r    = xc - n * kLn2Hi;
+            r                = r - n * kLn2Lo;
+            float p = 1.0f / 5040;
+            p = p * r + 1.0f / 720;
+            p = p * r + 1.0f / 120;
+            p = p * r + 1.0f / 24;
+            p = p * r + 1.0f / 6;
+            p = p * r + 0.5f;
+            p = p * r + 1.0f;
+            p = p * r + 1.0f;
+            int32_t bits = ((int32_t) n + 127) << 23;
+            float   sc;
+            std::memcpy(&sc, &bits, sizeof(sc));
+            return zero ? 0.0f : p * sc;
+        } else {
+            const VI zero = !(x >= splat(kExpLo));
+            const V  xc   = zero ? splat(0.0f) : x;
+            const V  n    = (xc * kLog2e + kRound) - kRound;
+            V        r    = xc - n * kLn2Hi;
+            r             = r - n * kLn2Lo;
+            V p = splat(1.0f / 5040);
+            p = p * r + 1.0f / 720;
+            p = p * r + 1.0f / 120;
+            p = p * r + 1.0f / 24;
+            p = p * r + 1.0f / 6;
+            p = p * r + 0.5f;
+            p = p * r + 1.0f;
+            p = p * r + 1.0f;
+            const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+            return zero ? splat(0.0f) : p * (V) bits;
+        }
+    }
+
+    // max of x[0..n-1] (NaN ignored; -inf when none is larger)
+    static DSPARK_INLINE float vmax(const float * x, int64_t n) {
+        V       m0 = splat(-INFINITY), m1 = m0;
+        int64_t i  = 0;
+        for (; i + 2 * L <= n; i += 2 * L) {
+            const V a = load(x + i), b = load(x + i + L);
+            m0 = a > m0 ? a : m0;
+            m1 = b > m1 ? b : m1;
+        }
+        m0 = m1 > m0 ? m1 : m0;
+        float r = -INFINITY;
+        for (int j = 0; j < L; ++j) r = m0[j] > r ? m0[j] : r;
+        for (; i < n; ++i) r = x[i] > r ? x[i] : r;
+        return r;
+    }
+
+    // e[i] = exp(x[i] - m), returns their sum
+    static DSPARK_INLINE double exp_sum(const float * x, int64_t n, float m, float * e) {
+        double  total = 0.0;
+        int64_t i     = 0;
+        const int64_t nv = n - n % L;
+        while (i < nv) {
+            V             acc = splat(0.0f);
+            const int64_t end = std::min<int64_t>(nv, i + 4096);
+            for (; i < end; i += L) {
+                const V v = exp_neg(load(x + i) - m);
+                store(e + i, v);
+                acc += v;
+            }
+            for (int j = 0; j < L; ++j) total += acc[j];
+        }
+        for (; i < n; ++i) {
+            e[i] = exp_neg(x[i] - m);
+            total += e[i];
+        }
+        return total;
+    }
+
+    // mass[j] = sum of e[i] and count[j] = number of i over x[i] > t[j], j = 0..7 (one pass)
+    static DSPARK_INLINE void mass8(const float * x, const float * e, int64_t n, const float * t, double * mass,
+                                    int64_t * count) {
+        V th[8];
+        for (int j = 0; j < 8; ++j) {
+            th[j]    = splat(t[j]);
+            mass[j]  = 0.0;
+            count[j] = 0;
+        }
+        int64_t       i  = 0;
+        const int64_t nv = n - n % L;
+        while (i < nv) {
+            V  acc[8];
+            VI cnt[8];
+            for (int j = 0; j < 8; ++j) {
+                acc[j] = splat(0.0f);
+                cnt[j] = VI{};
+            }
+            const int64_t end = std::min<int64_t>(nv, i + 4096);
+            for (; i < end; i += L) {
+                const V v  = load(x + i);
+                const V ev = load(e + i);
+                for (int j = 0; j < 8; ++j) {
+                    const VI gt = v > th[j];
+                    acc[j] += gt ? ev : splat(0.0f);
+                    cnt[j] -= gt;
+                }
+            }
+            for (int j = 0; j < 8; ++j) {
+                for (int l = 0; l < L; ++l) {
+                    mass[j] += acc[j][l];
+                    count[j] += cnt[j][l];
+                }
+            }
+        }
+        for (; i < n; ++i) {
+            for (int j = 0; j < 8; ++j) {
+                if (x[i] > t[j]) {
+                    mass[j] += e[i];
+                    count[j] += 1;
+                }
+            }
+        }
+    }
+
+    // mass of x >= t
+    static DSPARK_INLINE double mass_ge(const float * x, const float * e, int64_t n, float t) {
+        double        total = 0.0;
+        int64_t       i     = 0;
+        const int64_t nv    = n - n % L;
+        const V       vt    = splat(t);
+        while (i < nv) {
+            V             acc = splat(0.0f);
+            const int64_t end = std::min<int64_t>(nv, i + 4096);
+            for (; i < end; i += L) acc += load(x + i) >= vt ? load(e + i) : splat(0.0f);
+            for (int j = 0; j < L; ++j) total += acc[j];
+        }
+        for (; i < n; ++i) total += x[i] >= t ? e[i] : 0.0f;
+        return total;
+    }
+
+    // indices i with lo < x[i] <= hi appended to out (a block with none costs two compares)
+    static DSPARK_INLINE void collect(const float * x, int64_t n, float lo, float hi, std::vector<int32_t> & out) {
+        const V vlo = splat(lo), vhi = splat(hi);
+        int64_t i   = 0;
+        for (; i + L <= n; i += L) {
+            const V  v  = load(x + i);
+            const VI in = (v > vlo) & (v <= vhi);
+            if (!any(in)) continue;
+            for (int j = 0; j < L; ++j) {
+                if (in[j]) out.push_back((int32_t) (i + j));
+            }
+        }
+        for (; i < n; ++i) {
+            if (x[i] > lo && x[i] <= hi) out.push_back((int32_t) i);
+        }
+    }
+
+    // The k first candidates of the row in candidate order, unordered; -inf and NaN are never
+    // candidates.  One pass: a block below the running k-th value costs one compare.
+    static DSPARK_INLINE void top_k(const float * x, int64_t n, int32_t k, std::vector<cand> & buf) {
+        buf.clear();
+        const size_t cap = std::max<size_t>((size_t) k * 4, 1024);
+        buf.reserve(cap + L);
+        float   thr = -INFINITY;  // strict: x > thr (a later id never wins a tie with the k-th)
+        int64_t i   = 0;
+        for (; i + L <= n; i += L) {
+            const V v = load(x + i);
+            if (!any(v > splat(thr))) continue;
+            for (int j = 0; j < L; ++j) {
+                if (v[j] > thr) buf.push_back({ v[j], (int32_t) (i + j) });
+            }
+            if (buf.size() >= cap) {
+                std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), before);
+                buf.resize((size_t) k);
+                thr = buf[(size_t) k - 1].x;  // the last of the k in candidate order: the smallest value
+            }
+        }
+        for (; i < n; ++i) {
+            if (x[i] > thr) buf.push_back({ x[i], (int32_t) i });
+        }
+        if (buf.size() > (size_t) k) {
+            std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), before);
+            buf.resize((size_t) k);
+        }
+    }
+
+    // The tempered softmax over the kept set (x >= tmin, and the prefix up to cut c) in ascending id
+    // order; returns the count, or -1 when cap is too small.  Like llama.cpp: exp(x / T - max / T).
+    static DSPARK_INLINE int32_t emit(const float * x, int64_t n, const cut & c, float tmin, float m, float temp,
+                                      int32_t * ids, double * probs, int32_t cap) {
+        const float mt    = m / temp;
+        const float lb    = std::max(tmin, c.v);  // nothing below is kept
+        int32_t     r     = 0;
+        double      total = 0.0;
+        V           acc   = splat(0.0f);
+        int         nacc  = 0;
+        int64_t     i     = 0;
+        VI          lane;
+        for (int j = 0; j < L; ++j) lane[j] = j;
+        for (; i + L <= n; i += L) {
+            const V  v  = load(x + i);
+            const VI ge = v >= splat(lb);
+            if (!any(ge)) continue;
+            const VI id   = lane + (int32_t) i;
+            const VI keep = ge & (v >= splat(tmin)) & ((v > splat(c.v)) | ((v == splat(c.v)) & (id <= c.id_v)));
+            V        ev   = exp_neg(v / temp - mt);
+            ev            = keep ? ev : splat(0.0f);
+            acc += ev;
+            if (++nacc == 512) {
+                for (int j = 0; j < L; ++j) total += acc[j];
+                acc  = splat(0.0f);
+                nacc = 0;
+            }
+            if (all(ev > splat(0.0f)) && r + L <= cap) {  // the whole block is kept
+                const VI vid = id;
+                const VD vp  = __builtin_convertvector(ev, VD);
+                std::memcpy(ids + r, &vid, sizeof(vid));
+                std::memcpy(probs + r, &vp, sizeof(vp));
+                r += L;
+                continue;
+            }
+            for (int j = 0; j < L; ++j) {
+                if (!(ev[j] > 0.0f)) continue;
+                if (r >= cap) return -1;
+                ids[r]   = (int32_t) (i + j);
+                probs[r] = ev[j];
+                ++r;
+            }
+        }
+        for (int j = 0; j < L; ++j) total += acc[j];
+        for (; i < n; ++i) {
+            const float v = x[i];
+            if (!(v >= tmin && (v > c.v || (v == c.v && (int32_t) i <= c.id_v)))) continue;
+            const float ev = exp_neg(v / temp - mt);
+            if (!(ev > 0.0f)) continue;
+            if (r >= cap) return -1;
+            ids[r]   = (int32_t) i;
+            probs[r] = ev;
+            total += ev;
+            ++r;
+        }
+        scale(probs, r, 1.0 / total);
+        return r;
+    }
+
+    static DSPARK_INLINE void scale(double * p, int64_t n, double f) {
+        int64_t i = 0;
+        for (; i + L <= n; i += L) {
+            VD v;
+            std::memcpy(&v, p + i, sizeof(v));
+            v *= f;
+            std::memcpy(p + i, &v, sizeof(v));
+        }
+        for (; i < n; ++i) p[i] *= f;
+    }
+
+    // inverse-CDF index: the first j whose running sum (blocks of 256 summed first, then the
+    // entries of the block the target falls in) exceeds u * total; n - 1 when rounding leaves none
+    static DSPARK_INLINE int64_t sample(const double * p, int64_t n, double u) {
+        constexpr int64_t B = 256;
+        const int64_t nb = n / B;
+        auto block_sum = [&](int64_t b) {
+            VD acc = VD{};
+            for (int64_t i = b * B; i < (b + 1) * B; i += L) {
+                VD v;
+                std::memcpy(&v, p + i, sizeof(v));
+                acc += v;
+            }
+            double t = 0.0;
+            for (int j = 0; j < L; ++j) t += acc[j];
+            return t;
+        };
+        double total = 0.0;
+        for (int64_t b = 0; b < nb; ++b) total += block_sum(b);
+        for (int64_t i = nb * B; i < n; ++i) total += p[i];
+        if (!(total > 0.0) || !std::isfinite(total)) return -1;
+        const double target = u * total;
+        double       c      = 0.0;
+        int64_t      b      = 0;
+        for (; b < nb; ++b) {
+            const double t = block_sum(b);
+            if (c + t > target) break;
+            c += t;
+        }
+        for (int64_t i = b * B; i < n; ++i) {
+            c += p[i];
+            if (c > target) return i;
+        }
+        return n - 1;
+    }
+};
+
+// ---- per-ISA entry points ---------------------------------------------------------------------------
+
+#define DSPARK_KERNELS(X)                                                                                      \
+    X(float, vmax, (const float * x, int64_t n), (x, n))                                                     \
+    X(double, vexp_sum, (const float * x, int64_t n, float m, float * e), (x, n, m, e))                      \
+    X(void, vmass8, (const float * x, const float * e, int64_t n, const float * t, double * mass,            \
+                     int64_t * count), (x, e, n, t, mass, count))                                              \
+    X(double, vmass_ge, (const float * x, const float * e, int64_t n, float t), (x, e, n, t))                \
+    X(void, vcollect, (const float * x, int64_t n, float lo, float hi, std::vector<int32_t> & out),          \
+      (x, n, lo, hi, out))                                                                                    \
+    X(void, top_k_scan, (const float * x, int64_t n, int32_t k, std::vector<cand> & buf), (x, n, k, buf))    \
+    X(int32_t, emit_row,                                                                                      \
+      (const float * x, int64_t n, const cut & c, float tmin, float m, float temp, int32_t * ids,            \
+       double * probs, int32_t cap),                                                                          \
+      (x, n, c, tmin, m, temp, ids, probs, cap))                                                            \
+    X(int64_t, sample_index, (const double * p, int64_t n, double u), (p, n, u))
+
+#define DSPARK_KMAP_vmax vmax
+#define DSPARK_KMAP_vexp_sum exp_sum
+#define DSPARK_KMAP_vmass8 mass8
+#define DSPARK_KMAP_vmass_ge mass_ge
+#define DSPARK_KMAP_vcollect collect
+#define DSPARK_KMAP_top_k_scan top_k
+#define DSPARK_KMAP_emit_row emit
+#define DSPARK_KMAP_sample_index sample
+#define DSPARK_CAT_(a, b) a##b
+#define DSPARK_CAT(a, b) DSPARK_CAT_(a, b)
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#    define DSPARK_DEF(ret, name, params, args)                                                            \
+        __attribute__((target("avx2,fma"))) ret name##_avx2 params {                                        \
+            return K<f8>::DSPARK_CAT(DSPARK_KMAP_, name) args;                                              \
+        }                                                                                                    \
+        ret name##_base params { return K<f4>::DSPARK_CAT(DSPARK_KMAP_, name) args; }                      \
+        ret name params { return g_avx2 ? name##_avx2 args : name##_base args; }
+bool cpu_has_avx2_fma() {
+    __builtin_cpu_init();  // this runs from a static initializer, maybe before libgcc's own
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+const bool g_avx2 = cpu_has_avx2_fma();
+#else
+#    define DSPARK_DEF(ret, name, params, args) \
+        ret name params { return K<f4>::DSPARK_CAT(DSPARK_KMAP_, name) args; }
+#endif
+DSPARK_KERNELS(DSPARK_DEF)
+
+float exp_neg(float x) { return K<f4>::exp_neg(x); }
+
+// ---- the chain ------------------------------------------------------------------------------------
+
+struct scratch {
+    std::vector<float>   row;    // banned / penalized copy of the input row
+    std::vector<float>   e;      // exp(x - max)
+    std::vector<cand>    cands;
+    std::vector<int32_t> idx, idx2;
+    std::vector<float>   bx, be;  // gathered band values / exps
+    std::vector<int32_t> win;
+};
+
+thread_local scratch g_s;
+
+// top_p over the whole row x[0..n-1] (e = exp(x - max), total their sum): the smallest prefix in
+// candidate order whose mass reaches p * total.  Brackets the cut with passes over the row (mass and
+// count above eight thresholds each: first 0.25 .. 32 logits below the max, then evenly inside the
+// bracket) until it holds a few thousand candidates, then sorts those.
+cut top_p_full(const float * x, const float * e, int64_t n, float m, double total, double p) {
+    scratch &    s      = g_s;
+    const double target = p * total;
+    double       above  = 0.0;  // mass of x > hi
+    int64_t      n_above = 0;
+    int64_t      n_band  = n;   // candidates in (lo, hi] (an upper bound at first)
+    float        hi     = INFINITY;
+    float        lo     = -INFINITY;
+    for (int pass = 0; pass < 16 && n_band > 4096; ++pass) {
+        float t[8];
+        if (pass == 0) {
+            for (int j = 0; j < 8; ++j) t[j] = m - std::ldexp(1.0f, j - 2);
+        } else {
+            const float top = std::min(hi, m), bot = lo;
+            for (int j = 0; j < 8; ++j) t[j] = top - (top - bot) * (float) (j + 1) / 9.0f;
+            if (!(t[0] < top) || !(t[7] > bot)) break;  // the bracket cannot be split further
+        }
+        double  mass[8];
+        int64_t count[8];
+        vmass8(x, e, n, t, mass, count);
+        int j = 0;
+        while (j < 8 && !(mass[j] >= target)) ++j;
+        if (j > 0) {
+            hi      = t[j - 1];
+            above   = mass[j - 1];
+            n_above = count[j - 1];
+        }
+        if (j < 8) {
+            lo     = t[j];
+            n_band = count[j] - n_above;
+        } else if (pass == 0) {
+            n_band = n - n_above;  // below max - 32: rarely reached (p close to 1)
+        } else {
+            n_band = n - n_above;
+        }
+        if (pass == 0 && j == 8) break;  // everything below max - 32 is the bracket: sort it
+    }
+    s.idx.clear();
+    vcollect(x, n, lo, hi, s.idx);
+    s.cands.clear();
+    for (int32_t i : s.idx) s.cands.push_back({ x[i], i });
+    std::sort(s.cands.begin(), s.cands.end(), before);
+    double cum = above;
+    cut    c;
+    for (const cand & k : s.cands) {
+        cum += e[k.id];
+        if (cum >= target) {
+            c.v    = k.x;
+            c.id_v = k.id;
+            return c;
+        }
+    }
+    // rounding left the target unreached inside the bracket: keep the bracket and all above it
+    if (!s.cands.empty()) {
+        c.v    = s.cands.back().x;
+        c.id_v = s.cands.back().id;
+    } else if (hi < INFINITY) {
+        c.v    = hi;  // (x > hi) only; nothing equals hi outside the empty bracket
+        c.id_v = -1;
+    }
+    return c;
+}
+
+int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params & P, const int32_t * window,
+              int32_t n_window, const int32_t * banned, int32_t n_banned, int32_t * out_ids, double * out_probs,
+              int32_t cap) {
+    scratch &     s = g_s;
+    const float * x = row_in;
+    const int64_t n = n_vocab;
+
+    // logit bias (-inf) and penalties on a copy of the row
+    const bool pen = n_window > 0 &&
+                     (P.repeat_penalty != 1.0f || P.frequency_penalty != 0.0f || P.presence_penalty != 0.0f);
+    if (pen || n_banned > 0) {
+        s.row.assign(row_in, row_in + n);
+        for (int32_t i = 0; i < n_banned; ++i) s.row[banned[i]] = -INFINITY;
+        if (pen) {
+            s.win.assign(window, window + n_window);
+            std::sort(s.win.begin(), s.win.end());
+            for (size_t i = 0; i < s.win.size();) {
+                size_t j = i;
+                while (j < s.win.size() && s.win[j] == s.win[i]) ++j;
+                const int   count = (int) (j - i);
+                float &     l     = s.row[s.win[i]];
+                if (l <= 0) {
+                    l *= P.repeat_penalty;
+                } else {
+                    l /= P.repeat_penalty;
+                }
+                l -= float(count) * P.frequency_penalty + float(count > 0) * P.presence_penalty;
+                i = j;
+            }
+        }
+        x = s.row.data();
+    }
+
+    const float m = vmax(x, n);
+    if (!(m > -INFINITY)) return fail(DSPARK_E_INVALID, "no finite logit survives the sampler chain");
+
+    if (P.temperature <= 0.0f) {  // greedy: the first maximum
+        if (cap < 1) return fail(DSPARK_E_INVALID, "output capacity %d < 1", cap);
+        int64_t i = 0;
+        while (!(x[i] == m)) ++i;
+        out_ids[0]   = (int32_t) i;
+        out_probs[0] = 1.0;
+        return 1;
+    }
+
+    const float tmin = P.min_p > 0.0f ? m + logf(P.min_p) : -INFINITY;
+    const bool  top_k = P.top_k > 0 && P.top_k < n_vocab;
+    const bool  top_p = P.top_p < 1.0f;
+
+    int32_t r;
+    if (!top_k && !top_p) {
+        r = emit_row(x, n, cut{}, tmin, m, P.temperature, out_ids, out_probs, cap);
+    } else if (!top_k) {
+        // top_p over the whole row; when min_p alone already cuts above top_p's prefix, no sort at all
+        s.e.resize((size_t) n);
+        const double total = vexp_sum(x, n, m, s.e.data());
+        cut          c;
+        bool         need_cut = true;
+        if (P.min_p > 0.0f) {
+            // mass of x >= tmin: min_p's set is the smaller one when it stays below top_p's target
+            need_cut = vmass_ge(x, s.e.data(), n, tmin) >= (double) P.top_p * total;
+        }
+        if (need_cut) c = top_p_full(x, s.e.data(), n, m, total, (double) P.top_p);
+        r = emit_row(x, n, c, tmin, m, P.temperature, out_ids, out_probs, cap);
+    } else {
+        // top_k: the k candidates, sorted; top_p / min_p / softmax on them
+        top_k_scan(x, n, P.top_k, s.cands);
+        std::sort(s.cands.begin(), s.cands.end(), before);
+        size_t keep = s.cands.size();
+        if (top_p && keep > 0) {
+            const float mk = s.cands[0].x;
+            double      total = 0.0;
+            s.be.resize(keep);
+            for (size_t i = 0; i < keep; ++i) {
+                s.be[i] = exp_neg(s.cands[i].x - mk);
+                total += s.be[i];
+            }
+            const double target = (double) P.top_p * total;
+            double       cum    = 0.0;
+            for (size_t i = 0; i < keep; ++i) {
+                cum += s.be[i];
+                if (cum >= target) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        while (keep > 1 && !(s.cands[keep - 1].x >= tmin)) --keep;
+        s.cands.resize(keep);
+        std::sort(s.cands.begin(), s.cands.end(), [](const cand & a, const cand & b) { return a.id < b.id; });
+        const float mt    = m / P.temperature;
+        double      total = 0.0;
+        r                 = 0;
+        for (const cand & c : s.cands) {
+            const float ev = exp_neg(c.x / P.temperature - mt);
+            if (!(ev > 0.0f)) continue;
+            if (r >= cap) return fail(DSPARK_E_INVALID, "output capacity %d too small", cap);
+            out_ids[r]   = c.id;
+            out_probs[r] = ev;
+            total += ev;
+            ++r;
+        }
+        for (int32_t i = 0; i < r; ++i) out_probs[i] /= total;
+    }
+    if (r < 0) return fail(DSPARK_E_INVALID, "output capacity %d too small (n_vocab %d always suffices)", cap, n_vocab);
+    if (r == 0) return fail(DSPARK_E_INVALID, "no finite logit survives the sampler chain");
+    return r;
+}
+
+// argmax and top-2 gap of one row: the first maximum, then the largest value at any other index
+void argmax_row(const float * x, int64_t n, int32_t * id, float * gap) {
+    const float m = vmax(x, n);
+    int64_t     i = 0;
+    while (i < n && !(x[i] == m)) ++i;
+    if (i == n) i = 0;  // every value NaN / -inf
+    *id = (int32_t) i;
+    if (gap) {
+        const float a = vmax(x, i);
+        const float b = vmax(x + i + 1, n - i - 1);
+        *gap          = m - std::max(a, b);
+    }
+}
+
+}  // namespace
+
+// ---- C entry points --------------------------------------------------------------------------------
+
+extern "C" int32_t dspark_chain_dist(const float * logits, int32_t n_vocab, const dspark_chain_params * params,
+                                     const int32_t * window, int32_t n_window, const int32_t * banned,
+                                     int32_t n_banned, int32_t * out_ids, double * out_probs, int32_t cap) {
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!logits || !params || !out_ids || !out_probs) return fail(DSPARK_E_INVALID, "null argument");
+        if (n_vocab <= 0) return fail(DSPARK_E_INVALID, "n_vocab %d must be > 0", n_vocab);
+        if (cap <= 0) return fail(DSPARK_E_INVALID, "output capacity %d must be > 0", cap);
+        if (n_window < 0 || (n_window > 0 && !window)) return fail(DSPARK_E_INVALID, "bad penalty window");
+        if (n_banned < 0 || (n_banned > 0 && !banned)) return fail(DSPARK_E_INVALID, "bad banned list");
+        const dspark_chain_params & P = *params;
+        if (!std::isfinite(P.temperature) || !std::isfinite(P.top_p) || !std::isfinite(P.min_p) ||
+            !std::isfinite(P.repeat_penalty) || !std::isfinite(P.frequency_penalty) || !std::isfinite(P.presence_penalty)) {
+            return fail(DSPARK_E_INVALID, "sampler parameters must be finite");
+        }
+        if (P.top_p < 0.0f || P.top_p > 1.0f) return fail(DSPARK_E_INVALID, "top_p %g outside [0, 1]", (double) P.top_p);
+        if (P.min_p < 0.0f || P.min_p > 1.0f) return fail(DSPARK_E_INVALID, "min_p %g outside [0, 1]", (double) P.min_p);
+        if (!(P.repeat_penalty > 0.0f)) return fail(DSPARK_E_INVALID, "repeat_penalty %g must be > 0", (double) P.repeat_penalty);
+        for (int32_t i = 0; i < n_window; ++i) {
+            if (window[i] < 0 || window[i] >= n_vocab) return fail(DSPARK_E_INVALID, "penalty window token %d out of vocab (%d)", window[i], n_vocab);
+        }
+        for (int32_t i = 0; i < n_banned; ++i) {
+            if (banned[i] < 0 || banned[i] >= n_vocab) return fail(DSPARK_E_INVALID, "banned token %d out of vocab (%d)", banned[i], n_vocab);
+        }
+        const int32_t r = chain(logits, n_vocab, P, window, n_window, banned, n_banned, out_ids, out_probs, cap);
+        if (r > 0) ok();
+        return r;
+    });
+}
+
+extern "C" int32_t dspark_sample_cdf(const double * probs, int32_t n, double u) {
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!probs || n <= 0) return fail(DSPARK_E_INVALID, "bad argument (n %d)", n);
+        if (!(u >= 0.0 && u < 1.0)) return fail(DSPARK_E_INVALID, "u %g outside [0, 1)", u);
+        const int32_t j = (int32_t) sample_index(probs, n, u);
+        if (j < 0) return fail(DSPARK_E_INVALID, "weights must be finite, >= 0, with a positive sum");
+        ok();
+        return j;
+    });
+}
+
+extern "C" int32_t dspark_argmax_f32(const float * x, int32_t n_rows, int32_t n, int32_t * ids, float * margin) {
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!x || !ids || n_rows <= 0 || n <= 0) return fail(DSPARK_E_INVALID, "bad argument");
+        for (int32_t r = 0; r < n_rows; ++r) {
+            argmax_row(x + (size_t) r * n, n, ids + r, margin ? margin + r : nullptr);
+        }
+        ok();
+        return DSPARK_OK;
+    });
+}
+
+namespace dspark {
+// used by dspark_argmax_rows (dspark_shim.cpp) on llama.cpp's output rows
+void argmax_row_f32(const float * x, int64_t n, int32_t * id, float * gap) { argmax_row(x, n, id, gap); }
+
+// the k largest (ties: lower index), for dspark_top_k_f32
+void top_k_f32(const float * x, int64_t n, int32_t k, int32_t * ids) {
+    top_k_scan(x, n, k, g_s.cands);
+    size_t r = 0;
+    for (const cand & c : g_s.cands) ids[r++] = c.id;
+    // fewer than k finite values: fill with the lowest-index non-candidates (-inf / NaN) like nth_element
+    if (r < (size_t) k) {
+        std::vector<char> taken((size_t) n, 0);
+        for (size_t j = 0; j < r; ++j) taken[(size_t) ids[j]] = 1;
+        for (int64_t i = 0; i < n && r < (size_t) k; ++i) {
+            if (!taken[(size_t) i]) ids[r++] = (int32_t) i;
+        }
+    }
+}
+}  // namespace dspark
