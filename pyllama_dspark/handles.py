@@ -136,6 +136,10 @@ class ContextSettings:
     n_seq_max: int = 1
     n_gpu_layers: int = 0
     verbose: bool = False
+    # full-size SWA caches (llama-server's --swa-full, off by default there).  Off: the SWA KV
+    # cache holds n_swa + n_ubatch cells and a new batch only overwrites cells masked for its
+    # first position, so removing a rejected draft tail (always inside the last batch) is safe
+    swa_full: bool = False
 
     def validate(self) -> None:
         if self.flash_attn not in _FLASH_ATTN:
@@ -156,6 +160,7 @@ class ContextSettings:
         p.n_threads = threads
         p.n_threads_batch = self.n_threads_batch or threads
         p.flash_attn_type = _FLASH_ATTN[self.flash_attn]
+        p.swa_full = bool(self.swa_full)
         p.no_perf = True
         return p
 
