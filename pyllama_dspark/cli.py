@@ -225,6 +225,33 @@ def make_test_draft_cmd(target, output, kind, n_layers, block_size, markov_rank,
     click.echo(f"wrote {output}")
 
 
+from .target_writer import TARGET_ARCHS as _TARGET_ARCHS  # noqa: E402
+
+
+@main.command("make-test-target")
+@click.option("--arch", type=click.Choice(_TARGET_ARCHS), required=True,
+              help="Architecture (gemma3: not a DSpark target, llama.cpp cannot capture its layer inputs).")
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), required=True)
+@click.option("--n-vocab", "n_vocab", type=int, default=None,
+              help="Vocabulary size (default: the architecture's real one, e.g. 151936 qwen3, 262144 gemma4).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--peaked", type=float, default=None,
+              help="Scale the output weights by X (logits std ~X: model-like peaked distributions).")
+@click.option("--layers", "n_layer", type=int, default=None, help="Target layers (default 4; 6 for gemma4).")
+@click.option("--vocab-type", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f16", show_default=True,
+              help="Encoding of the embedding / output matrices (the rest is F32).")
+def make_test_target_cmd(arch, output, n_vocab, seed, peaked, n_layer, vocab_type):
+    """Write a small random-weight target GGUF of a DSpark target architecture (tests, benchmarks)."""
+    from .target_writer import make_test_target
+
+    try:
+        make_test_target(output, arch, n_vocab=n_vocab, seed=seed, peaked=peaked, n_layer=n_layer,
+                         vocab_type=vocab_type)
+    except (DSparkError, ValueError, OSError) as e:
+        _fail(e)
+    click.echo(f"wrote {output}")
+
+
 # commands in their own modules
 _register_sched(main)
 from .cmd_serve import serve as _serve  # noqa: E402
