@@ -478,8 +478,20 @@ def router_margins(target_path, tokens: Sequence[int], *, n_threads: Optional[in
         ctx = ll.llama_init_from_model(model, cp)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
-        batch = ll.llama_batch_get_one(toks.ctypes.data_as(ctypes.POINTER(ll.llama_token)), int(toks.size))
-        rc = ll.llama_decode(ctx, batch)
+        # every row an output: the last layer keeps all rows (it otherwise drops non-output rows
+        # before its FFN, and its router would see only the last token)
+        batch = ll.llama_batch_init(int(toks.size), 0, 1)
+        try:
+            for i, t in enumerate(toks.tolist()):
+                batch.token[i] = t
+                batch.pos[i] = i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1
+            batch.n_tokens = int(toks.size)
+            rc = ll.llama_decode(ctx, batch)
+        finally:
+            ll.llama_batch_free(batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc})")
     finally:
