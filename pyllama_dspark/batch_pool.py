@@ -64,12 +64,15 @@ class BatchedPool(JobQueue):
     def close(self) -> None:
         if not self._mark_closed():
             return
-        self._queue.put(None)
-        # no timeout: the worker stops at the next step boundary, and the contexts must not be
-        # freed under a decode that is still running
-        self._thread.join()
-        self._cancel_queued()   # whatever the worker did not take
-        self.sp.close()
+        try:
+            self._queue.put(None)
+            # no timeout: the worker stops at the next step boundary, and the contexts must not be
+            # freed under a decode that is still running
+            self._thread.join()
+            self._cancel_queued()   # whatever the worker did not take
+            self.sp.close()
+        finally:
+            self._closed_now()
 
     # ---- worker ------------------------------------------------------------------------------------
     def _take(self, job: Job) -> None:

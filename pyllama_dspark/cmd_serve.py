@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 
 import click
@@ -142,7 +143,32 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
                     "" if api_key else " and has no --api-key")
     log.info("main: server is listening on http://%s:%d - starting the main loop (%d slot%s, draft: %s)",
              host, port, pool.n_slots, "s" if pool.n_slots > 1 else "", meta["draft_kind"] or "none")
+    server = _stopping_server(uvicorn)(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=True),
+                                       pool)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", access_log=True)
+        server.run()
     finally:
         pool.close()
+
+
+def _stopping_server(uvicorn):
+    class StoppingServer(uvicorn.Server):
+        """uvicorn's server, except that SIGINT / SIGTERM close the pool at once: queued and running
+        generations are cancelled and their clients answered (503, or the end of their stream)
+        instead of uvicorn's graceful shutdown waiting for every generation to run to its end.  The
+        app's shutdown (:func:`~.server.create_app`) then waits for the pool to be closed."""
+
+        def __init__(self, config, pool):
+            super().__init__(config)
+            self._pool = pool
+            self._closer = None
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            if self._closer is None:   # in a thread: a signal handler must not block the event loop
+                logging.getLogger("pyllama_dspark.server").info(
+                    "main: signal %d received, cancelling the requests in flight", sig)
+                self._closer = threading.Thread(target=self._pool.close, name="dspark-shutdown", daemon=True)
+                self._closer.start()
+
+    return StoppingServer

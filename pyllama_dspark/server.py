@@ -15,6 +15,7 @@ A client that disconnects (streaming or not) cancels its generation and frees it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -52,13 +53,19 @@ class ServerConfig:
 
 
 def sampling_for(req: GenRequest, defaults: Dict[str, Any]):
-    """SamplingParams for a request (None = greedy), or RequestError when the values are invalid."""
+    """SamplingParams for a request (None = plain greedy), or RequestError when the values are invalid."""
     from .sampling import SamplingParams
 
     vals = dict(defaults)
     vals.update(req.sampling)
     if float(vals.get("temperature", 0.0)) <= 0.0:
-        return None
+        # llama.cpp penalizes before its greedy pick: the penalties (only they) still apply at T = 0
+        pen = {k: vals[k] for k in ("repeat_penalty", "presence_penalty", "frequency_penalty") if k in vals}
+        try:
+            greedy = SamplingParams(temperature=0.0, **pen)
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e)) from e
+        return greedy if greedy.has_penalties else None
     fields = SamplingParams.__dataclass_fields__
     kw = {k: v for k, v in vals.items() if k in fields}
     if kw.get("seed") is not None and int(kw["seed"]) < 0:
@@ -107,7 +114,14 @@ def _engine_error(e: BaseException) -> RequestError:
 
 
 def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="pyllama-dspark", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # the server is stopping: cancel what is still queued or running and free the contexts
+        # (waits for a close already under way, e.g. started by the signal handler of `serve`)
+        await run_in_threadpool(pool.close)
+
+    app = FastAPI(title="pyllama-dspark", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.pool = pool
     app.state.config = config
 
@@ -172,7 +186,10 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
         job = Job(tokens, max_tokens, on_event, stop=stop, sampling=sampling, ignore_eos=req.ignore_eos)
-        pool.submit(job)
+        try:
+            pool.submit(job)
+        except RuntimeError as e:   # the pool is closed: the server is shutting down
+            raise RequestError(f"the server is shutting down ({e})", type="unavailable_error", code=503) from e
         return req, job, events
 
     async def _complete(request: Request, kind: str):

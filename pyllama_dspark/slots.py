@@ -61,6 +61,7 @@ class JobQueue:
         self.n_done = 0
         self.n_cancelled = 0
         self._closed = False
+        self._close_done = threading.Event()
 
     @property
     def n_queued(self) -> int:
@@ -76,12 +77,18 @@ class JobQueue:
         return job
 
     def _mark_closed(self) -> bool:
-        """Refuse new jobs from now on; True for the call that closed the pool."""
+        """Refuse new jobs from now on; True for the call that closes the pool (it calls
+        :meth:`_closed_now` when done).  Any later call waits until that close is over, so that
+        nobody frees what the pool uses while it is still being shut down."""
         with self._lock:
-            if self._closed:
-                return False
+            first = not self._closed
             self._closed = True
-            return True
+        if not first:
+            self._close_done.wait()
+        return first
+
+    def _closed_now(self) -> None:
+        self._close_done.set()
 
     def _count(self, cancelled: bool = False) -> None:
         with self._lock:
@@ -154,19 +161,23 @@ class SlotPool(JobQueue):
         crash the process): they are leaked, with a warning."""
         if not self._mark_closed():
             return
-        self._cancel_queued()
-        with self._lock:
-            running = [j for j in self._running if j is not None]
-        for j in running:
-            j.cancel()
-        for _ in self._threads:
-            self._queue.put(None)
-        for slot, (t, sp) in enumerate(zip(self._threads, self.speculators)):
-            t.join(timeout=timeout)
-            if t.is_alive():
-                log.warning("slot %d: still decoding %.0f s after close(); its contexts are not freed", slot, timeout)
-                continue
-            sp.close()
+        try:
+            self._cancel_queued()
+            with self._lock:
+                running = [j for j in self._running if j is not None]
+            for j in running:
+                j.cancel()
+            for _ in self._threads:
+                self._queue.put(None)
+            for slot, (t, sp) in enumerate(zip(self._threads, self.speculators)):
+                t.join(timeout=timeout)
+                if t.is_alive():
+                    log.warning("slot %d: still decoding %.0f s after close(); its contexts are not freed", slot,
+                                timeout)
+                    continue
+                sp.close()
+        finally:
+            self._closed_now()
 
     # ---- worker ------------------------------------------------------------------------------------
     def _work(self, slot: int) -> None:
@@ -205,8 +216,9 @@ class SlotPool(JobQueue):
             for ev in gen:
                 if job.cancelled:
                     self._count(cancelled=True)
-                    log.info("slot  cancel_task: id %2d | task %d | cancelled by the client", slot, job.task_id)
-                    _deliver(job, Cancelled("cancelled"))
+                    why = "cancelled: server shutting down" if self._closed else "cancelled by the client"
+                    log.info("slot  cancel_task: id %2d | task %d | %s", slot, job.task_id, why)
+                    _deliver(job, Cancelled("server shutting down" if self._closed else "cancelled"))
                     return
                 if isinstance(ev, Done):
                     for line in timing_log_lines(slot, job.task_id, ev.stats):
