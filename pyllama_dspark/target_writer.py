@@ -355,9 +355,12 @@ def make_test_target(
             put(p + "attn_v.weight", gauss(rng, (nkv * h, n_embd), n_embd))
         put(p + "attn_output.weight", no_write(gauss(rng, (n_embd, n_head * h), n_head * h)))
         if a in ("qwen3", "qwen3moe", "gemma4", "gemma3"):
-            put(p + "attn_q_norm.weight", ones(h))
+            # gemma4 does not scale q.k (f_attention_scale 1): q/k norms of h^-1/4 keep the
+            # attention logits ~N(0, 1) instead of ~N(0, h) (a softmax that sharp amplifies rounding)
+            qk = (f32(h) ** f32(-0.25)) if g4 else f32(1.0)
+            put(p + "attn_q_norm.weight", ones(h) * qk)
             if has_kv[il]:
-                put(p + "attn_k_norm.weight", ones(h))
+                put(p + "attn_k_norm.weight", ones(h) * qk)
         if a in ("gemma4", "gemma3", "gpt-oss"):
             put(p + "post_attention_norm.weight", ones(n_embd))
         if a == "gpt-oss":
