@@ -239,11 +239,14 @@ class SpecDecoder:
             diff = np.flatnonzero(mem[:m] != toks[:m])
             start = int(diff[0]) if diff.size else m
             kept = self._prompt_row
-            if start == toks.size and kept is not None and np.array_equal(kept[0], toks):
+            if (start == toks.size and kept is not None and np.array_equal(kept[0], toks)
+                    and tgt.can_resume_at(seq, start)):
                 tgt.seq_rm(seq, start, -1)
                 prop.rollback(start, seq)
                 return kept[1]
             start = min(start, toks.size - 1)
+            if not tgt.can_resume_at(seq, start):
+                start = 0   # an SWA cache no longer holds the window before start: decode it all again
             tgt.seq_rm(seq, start, -1)
             prop.rollback(start, seq)
         else:

@@ -212,6 +212,19 @@ class _ModelCtx(Owned):
         self._alive()
         return int(ll.llama_memory_seq_pos_max(self.memory, seq_id))
 
+    def can_resume_at(self, seq_id: int, pos: int) -> bool:
+        """Whether the memory still holds what a token at ``pos`` attends to once the positions
+        from ``pos`` on are removed.  A sliding-window cache that is not full-size (``swa_full``
+        off) overwrites positions older than the window: resuming far behind the newest position
+        then needs the prompt decoded again (llama-server's rule: the sequence's smallest kept
+        position must be below ``pos - n_swa``).  Removing a rejected draft tail is always fine."""
+        self._alive()
+        n_swa = int(ll.llama_model_n_swa(self.model))
+        if pos <= 0 or n_swa <= 0:
+            return True
+        pos_min = int(ll.llama_memory_seq_pos_min(self.memory, seq_id))
+        return pos_min <= 0 or pos_min < pos - n_swa
+
     def clear(self) -> None:
         self._alive()
         ll.llama_memory_clear(self.memory, True)

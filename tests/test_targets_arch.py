@@ -349,3 +349,22 @@ def test_gemma4_at_its_real_vocabulary(tmp_path):
         assert sp.target.n_vocab == 262144
         done = sp.generate(prompt, 24)
     assert list(done.tokens) == ref
+
+
+def test_reuse_prefix_after_the_swa_ring_wrapped(tmp_path):
+    """With ``swa_full`` off (llama-server's default, ours), positions older than the window get
+    overwritten; a ``reuse_prefix`` that goes back further than that decodes the prompt again (as
+    llama-server does) instead of attending to missing cells."""
+    t = make_test_target(tmp_path / "g4.gguf", "gemma4", n_vocab=2048, seed=11, vocab_type="f32")
+    llm = open_ref(t)
+    p1 = list(range(300, 340))
+    ref1 = greedy(llm, p1, 400)                          # 440 positions: the 256-cell SWA ring wrapped
+    p2 = (p1 + ref1)[:100] + [777, 778]                  # shares 100 tokens with what the memory holds
+    ref2 = greedy(llm, p2, 32)
+    ref3 = greedy(llm, p1, 32)
+    llm.close()
+    with speculator(t) as sp:
+        assert list(sp.generate(p1, 400, reuse_prefix=True).tokens) == ref1
+        assert list(sp.generate(p1, 32, reuse_prefix=True).tokens) == ref3     # the same prompt again
+        assert list(sp.generate(p1 + ref1[:300], 100, reuse_prefix=True).tokens) == ref1[300:400]
+        assert list(sp.generate(p2, 32, reuse_prefix=True).tokens) == ref2     # back to position 100
