@@ -157,7 +157,7 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
                             click.echo(ev.text, nl=False)
                     else:
                         done = ev
-        except DSparkError as e:
+        except (DSparkError, ValueError) as e:   # ValueError: bad input the engine refuses (an empty prompt)
             _fail(e)
     if as_json:
         stats = done.stats.as_dict()

@@ -183,11 +183,14 @@ class SpecDecoder:
         self._prompt_row = None   # (prompt, logits row after it), kept when reuse_prefix is on
 
     def check_prompt(self, prompt: Sequence[int]) -> np.ndarray:
-        toks = np.asarray(list(prompt), dtype=np.int32)
-        if toks.size == 0:
+        ids = list(prompt)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in ids):
+            raise TypeError("prompt token ids must be integers")
+        if not ids:
             raise ValueError("the prompt is empty")
-        if toks.min() < 0 or toks.max() >= self.target.n_vocab:
+        if min(ids) < 0 or max(ids) >= self.target.n_vocab:
             raise ValueError(f"prompt token ids must be in 0..{self.target.n_vocab - 1}")
+        toks = np.asarray(ids, dtype=np.int32)
         if toks.size + 1 > self.target.n_ctx:
             raise ContextOverflowError(
                 f"prompt of {toks.size} tokens does not fit the context of {self.target.n_ctx} tokens")
@@ -209,6 +212,10 @@ class SpecDecoder:
         toks = self.check_prompt(prompt)
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not all(isinstance(s, str) for s in stop):
+            raise TypeError("stop must be a sequence of strings")
+        if not all(stop):
+            raise ValueError("stop strings must be non-empty (an empty one would match before any text)")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         smp = None
@@ -322,11 +329,12 @@ class SpecDecoder:
             q = None
             pol = self.policy
             if n_max > 0 and n_draft_max > 0 and (pol is None or pol.want_draft(1)):
+                n_prop = min(n_max, tgt.n_ctx - pos0 - 2)   # the draft block must fit the context too
                 if smp is None:
-                    proposal = prop.propose(anchor, pos0, n_max, seq)
+                    proposal = prop.propose(anchor, pos0, n_prop, seq)
                     drafts = proposal.tokens[:n_draft_max]
                 else:
-                    proposal = _propose_sampled(prop, anchor, pos0, n_max, smp, seq)
+                    proposal = _propose_sampled(prop, anchor, pos0, n_prop, smp, seq)
                     drafts = np.asarray(proposal.tokens[:n_draft_max], dtype=np.int32)
                     q = proposal.probs
                 t_drafted = clock()
