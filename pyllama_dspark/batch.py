@@ -252,7 +252,9 @@ class BatchDecoder:
         confs: List[Optional[np.ndarray]] = [None] * R   # (a sequence without room drafts nothing)
         qs: List[Optional[list]] = [None] * R
         limits = [min(self.n_ctx_seq - s.pos0 - 2, s.max_tokens - len(s.out) - 1) for s in act]
-        room = [r for r, l in enumerate(limits) if l > 0]   # sequences that may still draft
+        # sequences that may still draft (a draft model's block must also fit the context)
+        nb = self.n_max + getattr(self.prop, "offset", 0)
+        room = [r for r, l in enumerate(limits) if l > 0 and act[r].pos0 + nb <= self.n_ctx_seq]
         if self.prop is not None and room and self.policy.want_draft(len(room)):
             dr, cf, qq = self._draft_all([act[r] for r in room])
             for r, d_, c_, q_ in zip(room, dr, cf, qq):

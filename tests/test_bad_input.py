@@ -77,6 +77,18 @@ SCRIPT = textwrap.dedent(r"""
 
     long_prompt = sp.tokenize(LONG_TEXT, add_special=False)[:251]
 
+    def tiny_ctx_batched(n_seq):
+        from pyllama_dspark.batch import BatchDecoder
+        from pyllama_dspark.handles import ContextSettings
+        from pyllama_dspark.models import open_models
+        t, d, _ = open_models(target, draft, ContextSettings(n_ctx=8 if n_seq == 1 else 256 * n_seq, n_threads=1,
+                                                             n_seq_max=n_seq))
+        with t:
+            bd = BatchDecoder(t, d, n_max=7)
+            done = bd.run([long_prompt] * n_seq, 50)
+            return {"n_ctx": t.n_ctx // n_seq, "prompt": list(long_prompt), "tokens": [x.tokens for x in done],
+                    "finish_reason": [x.finish_reason for x in done]}
+
     def make_dflash():
         path = os.path.join(work, "dflash.gguf")
         if not os.path.exists(path):
@@ -121,6 +133,8 @@ SCRIPT = textwrap.dedent(r"""
         "ok_tiny_ctx_fills_context_dflash": lambda: tiny_ctx(long_prompt, 50, kind="dflash"),
         "ok_tiny_ctx_fills_context_sampled": lambda: tiny_ctx(
             long_prompt, 50, sampling=SamplingParams(temperature=1.0, seed=3)),
+        "ok_tiny_ctx_fills_context_batched": lambda: tiny_ctx_batched(1),
+        "ok_tiny_ctx_fills_context_batched_2": lambda: tiny_ctx_batched(2),
     }
     out = {}
     for name, fn in cases.items():
@@ -191,19 +205,24 @@ def test_bad_input_is_a_clear_exception(outcome, case):
 
 
 @pytest.mark.parametrize("case", ["ok_tiny_ctx_fills_context", "ok_tiny_ctx_fills_context_dflash",
-                                  "ok_tiny_ctx_fills_context_sampled"])
+                                  "ok_tiny_ctx_fills_context_sampled", "ok_tiny_ctx_fills_context_batched",
+                                  "ok_tiny_ctx_fills_context_batched_2"])
 def test_a_tiny_context_fills_up_and_stops(outcome, case, llama_refs):
     """n_ctx=8 is rounded up by llama.cpp; a 251-token prompt leaves room for 5 tokens: the draft
     block near the end must shrink to what the context holds (it used to overflow the draft's KV
-    cache: NativeError), and greedy output is the target's own."""
+    cache: NativeError), and greedy output is the target's own.  Also through the batched decoder
+    (one sequence in a tiny context; two sequences of 256 positions each)."""
     got_kind, res = outcome[case]
     assert got_kind == "no exception", f"{case}: {got_kind}: {res}"
     prompt = res["prompt"]
     assert prompt == llama_refs.llm.tokenize(LONG_TEXT.encode(), add_bos=False)[:251]
-    assert res["n_ctx"] == 256 and res["finish_reason"] == "length"
-    assert len(res["tokens"]) == res["n_ctx"] - len(prompt) == 5
-    if "sampled" not in case:
-        assert res["tokens"] == llama_refs.greedy(prompt, 5)
+    outs = res["tokens"] if "batched" in case else [res["tokens"]]
+    reasons = res["finish_reason"] if "batched" in case else [res["finish_reason"]]
+    assert res["n_ctx"] == 256 and set(reasons) == {"length"}
+    for toks in outs:
+        assert len(toks) == res["n_ctx"] - len(prompt) == 5
+        if "sampled" not in case:
+            assert toks == llama_refs.greedy(prompt, 5)
 
 
 def test_dspark_max_tokens_zero_means_until_the_context_is_full_as_in_llama(target_path, dspark_draft_path):
