@@ -68,8 +68,6 @@ def batch_shape_noise(target, tokens, rows: int = 8, skip: int = N_PROMPT) -> fl
     """Max |logit difference| between decoding ``tokens`` one row at a time and ``rows`` rows at a
     time (after the first ``skip`` tokens, decoded together either way): how far llama.cpp's own
     logits for the same prefix move with the batch shape on this target."""
-    import ctypes  # noqa: F401
-
     from llama_cpp import llama_cpp as ll
 
     def all_rows(step):
