@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from types import SimpleNamespace
 
@@ -64,8 +65,6 @@ def test_crosscheck_passes_on_a_sound_draft(target_path, dspark_draft_path, tmp_
     print(r.output)
     assert r.exit_code == 0, r.output
     assert "crosscheck: OK" in r.output
-    import json
-
     rep = json.loads(out.read_text())
     p = rep["prompts"][0]
     assert p["greedy"] == "match" and p["cpp"]["ok"] and p["cpp"]["tokens_equal"] and p["cpp"]["steps_equal"]
@@ -136,13 +135,20 @@ def test_greedy_and_cpp_mismatches_are_real_failures(target_path, dspark_draft_p
         assert not row["ok"] and not row["steps_equal"]
 
 
-def test_crosscheck_reference_handles_a_reduced_vocabulary_draft(target_path):
+def test_crosscheck_reference_handles_a_reduced_vocabulary_draft(target_path, tmp_path):
     """The shipped drafter (own lm_head over a d2t vocabulary, F16 layers): llama.cpp's rows are
     -inf off the draft vocabulary by design, and the reference follows llama.cpp's argmax chain."""
     from pyllama_dspark.cli import default_draft
 
+    out = tmp_path / "cc.json"
     r = CliRunner().invoke(main, ["crosscheck", "-m", target_path, "-md", default_draft(), "--prompts", _gsm8k(),
-                                  "--limit", "1", "-n", "24", "-t", "2", "-c", "2048", "--ref-blocks", "3"])
+                                  "--limit", "1", "-n", "24", "-t", "2", "-c", "2048", "--ref-blocks", "3",
+                                  "--json", str(out)])
     print(r.output)
     assert "draft graph vs numpy reference" in r.output
     assert "MISMATCH: logits" not in r.output and "NON-FINITE" not in r.output
+    # exit status 1 on any real mismatch: a greedy divergence from Llama on the shipped drafter fails here
+    assert r.exit_code == 0, r.output
+    p = json.loads(out.read_text())["prompts"][0]
+    assert p["greedy"] == "match" and p["drafted"] > 0 and p["accepted"] > 0
+    assert len(p["blocks"]) == 3 and all(b["ok"] for b in p["blocks"])
