@@ -8,6 +8,9 @@ Rows per vocabulary size:
     keeps a few hundred to a few thousand tokens;
   * ``flat``: N(0, 1) logits, where top-p needs (almost) a full sort;
   * ``smollm2`` (49,152 only): real SmolLM2-135M-Instruct verify rows (three prompts).
+Then the other per-row scans at these sizes: argmax + top-2 gap, and the Markov bias + W1 rows
+(graph + transfer).
+
 Chains: llama.cpp's default (top-k 40, top-p 0.95, min-p 0.05, T 0.8); every filter off at T 1;
 top-p 0.9 with top-k 0 (and min-p 0, T 0.8), what OpenAI clients commonly send.
 
@@ -157,6 +160,38 @@ def timed(fn, repeats):
     return statistics.median(ts) * 1e3
 
 
+def row_scans(vocabs, repeats, rank=32):
+    """argmax + top-2 gap (the shim's scan vs numpy), and the Markov graph with its transfer
+    (bias row + W1 row for two previous tokens, one device call) at each vocabulary size."""
+    import tempfile
+    from pathlib import Path
+
+    import gguf
+
+    from pyllama_dspark import _native as nat
+    from pyllama_dspark.handles import MarkovHead
+
+    rng = np.random.default_rng(1)
+    print(f"\n{'vocab':>7} {'argmax+gap shim':>16} {'np.argmax':>10} {'Markov bias+W1 (rank %d)' % rank:>26}  ms/row")
+    for v in vocabs:
+        row = rng.normal(0, 3, v).astype(np.float32)
+        ids, gap = np.zeros(1, np.int32), np.zeros(1, np.float32)
+        t_shim = timed(lambda: nat.argmax_f32(nat.ptr_f32(row), 1, v, nat.ptr_i32(ids), nat.ptr_f32(gap)), repeats)
+        t_np = timed(lambda: int(np.argmax(row)), repeats)
+        with tempfile.TemporaryDirectory() as d:
+            path = str(Path(d) / "markov.gguf")
+            w = gguf.GGUFWriter(path, "dflash")
+            w.add_tensor("markov_w1.weight", rng.normal(0, 1, (v, rank)).astype(np.float16))
+            w.add_tensor("markov_w2.weight", rng.normal(0, 1, (v, rank)).astype(np.float16))
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+            with MarkovHead(path, n_threads=2) as m:
+                t_mk = timed(lambda: m.bias_w1([5, 17]), repeats)
+        print(f"{v:>7} {t_shim:16.3f} {t_np:10.3f} {t_mk:26.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=20)
@@ -190,6 +225,7 @@ def main():
                 print(f"{v:>7} {rname:8} {cname:28} {int(np.median(kept)):>7} {np.mean(before):8.3f} "
                       f"{np.mean(after):8.3f} {np.mean(theirs):9.3f}")
                 sys.stdout.flush()
+    row_scans([int(s) for s in a.vocab.split(",")], a.repeats)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ class BatchDecoder:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         smp = None
-        if sampling is not None and not sampling.is_greedy:
+        if sampling is not None and (not sampling.is_greedy or sampling.has_penalties):
+            # (T = 0 with penalties: one-hot rows at the penalized argmax, as llama.cpp picks)
             banned = np.flatnonzero(self.eog) if ignore_eos else None
             smp = TokenSampler(sampling, toks.tolist(), banned=banned)
         rid = self._next_rid

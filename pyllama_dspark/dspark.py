@@ -19,8 +19,9 @@ weights); it resets the Llama's token cache before each generation (the KV then 
 and is closed, before the context is freed, when the Llama closes.
 
 Not supported (a clear ValueError): logprobs, grammar / response_format / forced tool choice,
-logits_processor, logit_bias, stopping_criteria, suffix, mirostat, typical_p != 1, and
-penalties at temperature 0.
+logits_processor, logit_bias, stopping_criteria, suffix, mirostat, typical_p != 1.  Repeat /
+presence / frequency penalties work as in ``Llama`` (over the generated tokens, before the greedy
+pick at temperature 0).
 """
 
 from __future__ import annotations
@@ -219,14 +220,16 @@ class DSpark(Owned):
         t = float(temperature)
         if t < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        # as llama-cpp-python's Llama: its penalties sampler sees the generated tokens only (not the
+        # prompt) and comes before the greedy pick at temperature 0
+        pen = dict(repeat_penalty=float(repeat_penalty), presence_penalty=float(presence_penalty),
+                   frequency_penalty=float(frequency_penalty), penalty_last_n=self.last_n_tokens_size,
+                   penalize_prompt=False)
         if t == 0.0:
-            _unsupported(**{"penalties at temperature 0": repeat_penalty != 1.0 or presence_penalty != 0.0
-                            or frequency_penalty != 0.0})
-            return None
+            greedy = SamplingParams(temperature=0.0, **pen)
+            return greedy if greedy.has_penalties else None
         return SamplingParams(temperature=t, top_k=int(top_k), top_p=float(top_p), min_p=float(min_p),
-                              seed=seed, repeat_penalty=float(repeat_penalty),
-                              presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
-                              penalty_last_n=self.last_n_tokens_size)
+                              seed=seed, **pen)
 
     def _completion(self, prompt, *, stand_in: Optional[_LlamaStandIn] = None, suffix=None, max_tokens=16,
                     temperature=0.8, top_p=0.95, min_p=0.05, typical_p=1.0, logprobs=None, echo=False, stop=None,

@@ -23,7 +23,7 @@ import numpy as np
 from .drafter import NoDraft, Proposer, clamp_n_max
 from .errors import ContextOverflowError
 from .handles import Target
-from .sampling import SamplingParams, TokenSampler
+from .sampling import Dist, SamplingParams, TokenSampler
 from .verify import greedy_accept, speculative_accept
 
 
@@ -219,7 +219,9 @@ class SpecDecoder:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         smp = None
-        if sampling is not None and not sampling.is_greedy:
+        if sampling is not None and (not sampling.is_greedy or sampling.has_penalties):
+            # (at T = 0 with penalties the sampler's rows are one-hot at the penalized argmax: llama.cpp
+            # penalizes before its greedy pick)
             # like llama.cpp's --ignore-eos at T > 0: end-of-generation tokens get a -inf logit bias
             banned = np.flatnonzero(self.target.eog_mask) if ignore_eos else None
             smp = TokenSampler(sampling, toks.tolist(), banned=banned)
@@ -416,7 +418,7 @@ def _propose_sampled(prop, anchor: int, pos0: int, n_draft: int, smp: TokenSampl
 
 
 class _OneHotRows:
-    """q rows of a deterministic proposal: one-hot at each drafted token (built on demand)."""
+    """q rows of a deterministic proposal: one-hot at each drafted token (sparse, built on demand)."""
 
     def __init__(self, tokens: np.ndarray, n_vocab: int):
         self.tokens = tokens
@@ -425,14 +427,14 @@ class _OneHotRows:
     def __len__(self):
         return len(self.tokens)
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        row = np.zeros(self.n_vocab, dtype=np.float64)
-        row[self.tokens[i]] = 1.0
-        return row
+    def __getitem__(self, i: int) -> Dist:
+        return Dist.one_hot(self.tokens[i], self.n_vocab)
 
 
 class _TargetRows:
-    """p rows of the verify decode through the sampler chain, computed on first use.
+    """p rows of the verify decode through the sampler chain, computed on first use (sparse
+    :class:`~.sampling.Dist` rows: the C chain reads the logits in place, nothing vocabulary-sized
+    is built).
 
     Row i (of this sequence's rows, which start at ``row0`` of the decode) follows the anchor and
     drafts[:i]: the penalty history is extended with drafts[:i]."""

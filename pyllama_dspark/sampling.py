@@ -53,7 +53,9 @@ class SamplingParams:
 
     ``seed`` None, -1 or 0xFFFFFFFF draws a random seed per generation; any other value makes the
     generation deterministic.  ``penalty_last_n`` -1 means the whole sequence, 0 disables the
-    penalties.
+    penalties.  ``penalize_prompt``: the penalties count the prompt's tokens too, as llama-server
+    feeds them to its sampler (``run``, ``serve``); llama-cpp-python's ``Llama`` counts only the
+    generated tokens (the ``DSpark`` class sets it False).
     """
 
     temperature: float = 0.8
@@ -65,6 +67,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     penalty_last_n: int = 64
+    penalize_prompt: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -106,6 +109,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repeat_penalty <= 0.0:
             raise ValueError(f"repeat_penalty must be > 0 (1.0 = off), got {self.repeat_penalty}")
+        if not isinstance(self.penalize_prompt, (bool, np.bool_)):
+            raise TypeError(f"penalize_prompt must be a bool, got {self.penalize_prompt!r}")
         if self.penalty_last_n < -1:
             raise ValueError(f"penalty_last_n must be >= -1 (-1 = whole sequence, 0 = off), got {self.penalty_last_n}")
         if self.seed is not None:
@@ -408,7 +413,8 @@ def sample_from(probs, u: float) -> int:
 
 
 class TokenSampler:
-    """Sampler state for one generation: parameters, a seeded RNG and the penalty history.
+    """Sampler state for one generation: parameters, a seeded RNG and the penalty history
+    (``history``, the prompt, is kept only when ``params.penalize_prompt``).
 
     At temperature <= 0 (only needed with penalties: llama.cpp's greedy pick over the penalized
     row) :meth:`probs` is one-hot at that pick and the seed is None."""
@@ -420,7 +426,7 @@ class TokenSampler:
         self.greedy = params.is_greedy
         self.seed = None if self.greedy else resolve_seed(params.seed)
         self.rng = np.random.default_rng(self.seed)
-        self.history: list = list(history) if params.has_penalties else []
+        self.history: list = list(history) if params.has_penalties and params.penalize_prompt else []
         self.banned = None if banned is None or not len(banned) else np.unique(np.asarray(banned, dtype=np.int64))
         self._banned32 = None if self.banned is None else self.banned.astype(np.int32)
         nat = _native_chain()

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .sampling import sample_from
+from .sampling import Dist, sample_from
 
 
 def greedy_accept(drafted: np.ndarray, target_argmax: np.ndarray, eog: Optional[np.ndarray] = None) -> int:
@@ -42,12 +42,30 @@ def greedy_emitted(drafted: np.ndarray, target_argmax: np.ndarray, eog: Optional
     return np.asarray(target_argmax[: n_acc + 1])
 
 
+def residual(p, q):
+    """norm(max(p - q, 0)) unnormalized, the law a rejected position is resampled from (p itself
+    when p == q up to rounding: a rejection then had probability ~0).
+
+    With a sparse p (a :class:`~.sampling.Dist`) it stays sparse: the residual lives on p's support
+    only, so no vocabulary-sized row is built.  A dense p gives a dense vector.  Both draw the same
+    token for the same uniform: the support in ascending id order, zeros skipped."""
+    if isinstance(p, Dist):
+        qa = q.at(p.ids) if isinstance(q, Dist) else np.asarray(q, dtype=np.float64)[p.ids]
+        r = np.maximum(p.probs - qa, 0.0)
+        if not r.sum() > 0.0:
+            return p
+        nz = r > 0.0
+        return Dist(p.ids[nz], r[nz], p.n_vocab)
+    r = np.maximum(np.asarray(p, dtype=np.float64) - np.asarray(q, dtype=np.float64), 0.0)
+    return r if r.sum() > 0.0 else np.asarray(p, dtype=np.float64)
+
+
 def speculative_accept(drafted: np.ndarray, draft_probs, target_probs, uniforms,
                        eog: Optional[np.ndarray] = None) -> Tuple[int, List[int]]:
     """Speculative sampling (Leviathan et al. / Chen et al.): lossless at any temperature.
 
     ``drafted[i]`` was drawn from ``draft_probs[i]`` (a probability vector over the vocabulary, or
-    a :class:`~.sampling.Dist`);
+    a sparse :class:`~.sampling.Dist`: with sparse target rows nothing vocabulary-sized is built);
     ``target_probs[i]`` is the target's distribution at the same position (i = 0 follows the
     anchor), with ``len(drafted) + 1`` rows (the last is the bonus row).  Both may be lazy
     sequences: row i is only read once the drafts before it are accepted.  ``uniforms`` yields
@@ -77,10 +95,7 @@ def speculative_accept(drafted: np.ndarray, draft_probs, target_probs, uniforms,
             if eog is not None and eog[x]:
                 return i + 1, emitted
             continue
-        resid = np.maximum(np.asarray(p, dtype=np.float64) - np.asarray(q, dtype=np.float64), 0.0)
-        if not resid.sum() > 0.0:  # p == q up to rounding: a rejection had probability ~0
-            resid = np.asarray(p, dtype=np.float64)
-        emitted.append(sample_from(resid, uniforms()))
+        emitted.append(sample_from(residual(p, q), uniforms()))
         return i, emitted
     emitted.append(sample_from(target_probs[n], uniforms()))
     return n, emitted
