@@ -22,17 +22,29 @@ def test_shipped_drafter_fits_the_default_target_and_the_size_budget():
     assert d.kind == "dspark" and d.has_confidence_head and d.block_size == 7
 
 
+PROMPT = "List three colors."
+N = 48
+
+
 def _run(*args):
-    cmd = [sys.executable, "-m", "pyllama_dspark.cli", "run", "-p", "List three colors.", "-n", "48",
+    cmd = [sys.executable, "-m", "pyllama_dspark.cli", "run", "-p", PROMPT, "-n", str(N),
            "--temp", "0", "-t", "2", "--json", *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
 
-def test_run_without_models_uses_the_default_target_and_drafter():
+def test_run_without_models_uses_the_default_target_and_drafter(llama_refs):
+    """`run` with no -m/-md: the shipped drafter drafts and gets drafts accepted, and the output is
+    the default target's own greedy output through llama_cpp.Llama (same chat prompt)."""
+    messages = [{"role": "user", "content": PROMPT}]
+    prompt = llama_refs.chat_tokens(messages)             # the chat prompt llama-cpp-python builds
+    ref = llama_refs.greedy(prompt, N)
     spec = _run()
     plain = _run("--no-draft")
     assert spec["stats"]["drafted"] > 0 and spec["stats"]["accepted"] > 0
     assert plain["stats"]["drafted"] == 0
-    assert spec["tokens"] == plain["tokens"]
+    assert spec["stats"]["n_prompt"] == plain["stats"]["n_prompt"] == len(prompt)
+    assert spec["tokens"] == ref, "the shipped drafter changed the target's greedy output"
+    assert plain["tokens"] == ref
+    assert spec["text"] == llama_refs.chat(messages, N)["choices"][0]["message"]["content"]
