@@ -145,21 +145,31 @@ struct K {
         return r;
     }
 
+    // Sums: float lanes over 16 blocks, then double lanes (the float partial sums stay exact to
+    // ~1e-7 of a 16-term sum; the totals to double rounding of those).
+    static constexpr int64_t kChunk = 16 * L;
+    static DSPARK_INLINE double hsum(VD a) {
+        double t = 0.0;
+        for (int j = 0; j < L; ++j) t += a[j];
+        return t;
+    }
+
     // e[i] = exp(x[i] - m), returns their sum
     static DSPARK_INLINE double exp_sum(const float * x, int64_t n, float m, float * e) {
-        double  total = 0.0;
-        int64_t i     = 0;
-        const int64_t nv = n - n % L;
+        VD            accd = VD{};
+        int64_t       i    = 0;
+        const int64_t nv   = n - n % L;
         while (i < nv) {
             V             acc = splat(0.0f);
-            const int64_t end = std::min<int64_t>(nv, i + 4096);
+            const int64_t end = std::min<int64_t>(nv, i + kChunk);
             for (; i < end; i += L) {
                 const V v = exp_neg(load(x + i) - m);
                 store(e + i, v);
                 acc += v;
             }
-            for (int j = 0; j < L; ++j) total += acc[j];
+            accd += __builtin_convertvector(acc, VD);
         }
+        double total = hsum(accd);
         for (; i < n; ++i) {
             e[i] = exp_neg(x[i] - m);
             total += e[i];
@@ -167,42 +177,57 @@ struct K {
         return total;
     }
 
-    // mass[j] = sum of e[i] and count[j] = number of i over x[i] > t[j], j = 0..7 (one pass)
-    static DSPARK_INLINE void mass8(const float * x, const float * e, int64_t n, const float * t, double * mass,
-                                    int64_t * count) {
-        V th[8];
+    // mass[j] = sum of e[i] and count[j] = number of i over x[i] > t[j], j = 0..7 (one pass).
+    // With_exp: e[i] = exp(x[i] - m) is computed and stored on the way, and their total returned.
+    template <bool with_exp>
+    static DSPARK_INLINE double mass8_impl(const float * x, float * e, int64_t n, float m, const float * t,
+                                           double * mass, int64_t * count) {
+        V  th[8];
+        VD accd[8];
+        VI cnt[8];
+        VD totd = VD{};
         for (int j = 0; j < 8; ++j) {
-            th[j]    = splat(t[j]);
-            mass[j]  = 0.0;
-            count[j] = 0;
+            th[j]   = splat(t[j]);
+            accd[j] = VD{};
+            cnt[j]  = VI{};
         }
         int64_t       i  = 0;
         const int64_t nv = n - n % L;
         while (i < nv) {
-            V  acc[8];
-            VI cnt[8];
-            for (int j = 0; j < 8; ++j) {
-                acc[j] = splat(0.0f);
-                cnt[j] = VI{};
-            }
-            const int64_t end = std::min<int64_t>(nv, i + 4096);
+            V acc[8];
+            V tot = splat(0.0f);
+            for (int j = 0; j < 8; ++j) acc[j] = splat(0.0f);
+            const int64_t end = std::min<int64_t>(nv, i + kChunk);
             for (; i < end; i += L) {
-                const V v  = load(x + i);
-                const V ev = load(e + i);
+                const V v = load(x + i);
+                V       ev;
+                if constexpr (with_exp) {
+                    ev = exp_neg(v - m);
+                    store(e + i, ev);
+                    tot += ev;
+                } else {
+                    ev = load(e + i);
+                }
                 for (int j = 0; j < 8; ++j) {
                     const VI gt = v > th[j];
                     acc[j] += gt ? ev : splat(0.0f);
                     cnt[j] -= gt;
                 }
             }
-            for (int j = 0; j < 8; ++j) {
-                for (int l = 0; l < L; ++l) {
-                    mass[j] += acc[j][l];
-                    count[j] += cnt[j][l];
-                }
-            }
+            for (int j = 0; j < 8; ++j) accd[j] += __builtin_convertvector(acc[j], VD);
+            totd += __builtin_convertvector(tot, VD);
+        }
+        double total = hsum(totd);
+        for (int j = 0; j < 8; ++j) {
+            mass[j]  = hsum(accd[j]);
+            count[j] = 0;
+            for (int l = 0; l < L; ++l) count[j] += cnt[j][l];
         }
         for (; i < n; ++i) {
+            if constexpr (with_exp) {
+                e[i] = exp_neg(x[i] - m);
+                total += e[i];
+            }
             for (int j = 0; j < 8; ++j) {
                 if (x[i] > t[j]) {
                     mass[j] += e[i];
@@ -210,20 +235,30 @@ struct K {
                 }
             }
         }
+        return total;
+    }
+    static DSPARK_INLINE void mass8(const float * x, const float * e, int64_t n, const float * t, double * mass,
+                                    int64_t * count) {
+        mass8_impl<false>(x, const_cast<float *>(e), n, 0.0f, t, mass, count);
+    }
+    static DSPARK_INLINE double exp_mass8(const float * x, int64_t n, float m, float * e, const float * t,
+                                          double * mass, int64_t * count) {
+        return mass8_impl<true>(x, e, n, m, t, mass, count);
     }
 
     // mass of x >= t
     static DSPARK_INLINE double mass_ge(const float * x, const float * e, int64_t n, float t) {
-        double        total = 0.0;
-        int64_t       i     = 0;
-        const int64_t nv    = n - n % L;
-        const V       vt    = splat(t);
+        VD            accd = VD{};
+        int64_t       i    = 0;
+        const int64_t nv   = n - n % L;
+        const V       vt   = splat(t);
         while (i < nv) {
             V             acc = splat(0.0f);
-            const int64_t end = std::min<int64_t>(nv, i + 4096);
+            const int64_t end = std::min<int64_t>(nv, i + kChunk);
             for (; i < end; i += L) acc += load(x + i) >= vt ? load(e + i) : splat(0.0f);
-            for (int j = 0; j < L; ++j) total += acc[j];
+            accd += __builtin_convertvector(acc, VD);
         }
+        double total = hsum(accd);
         for (; i < n; ++i) total += x[i] >= t ? e[i] : 0.0f;
         return total;
     }
@@ -281,10 +316,8 @@ struct K {
         const float mt    = m / temp;
         const float lb    = std::max(tmin, c.v);  // nothing below is kept
         int32_t     r     = 0;
-        double      total = 0.0;
-        V           acc   = splat(0.0f);
-        int         nacc  = 0;
         int64_t     i     = 0;
+        VD          acc   = VD{};
         VI          lane;
         for (int j = 0; j < L; ++j) lane[j] = j;
         for (; i + L <= n; i += L) {
@@ -295,15 +328,10 @@ struct K {
             const VI keep = ge & (v >= splat(tmin)) & ((v > splat(c.v)) | ((v == splat(c.v)) & (id <= c.id_v)));
             V        ev   = exp_neg(v / temp - mt);
             ev            = keep ? ev : splat(0.0f);
-            acc += ev;
-            if (++nacc == 512) {
-                for (int j = 0; j < L; ++j) total += acc[j];
-                acc  = splat(0.0f);
-                nacc = 0;
-            }
+            const VD vp   = __builtin_convertvector(ev, VD);
+            acc += vp;  // the kept weights as written, summed in double
             if (all(ev > splat(0.0f)) && r + L <= cap) {  // the whole block is kept
                 const VI vid = id;
-                const VD vp  = __builtin_convertvector(ev, VD);
                 std::memcpy(ids + r, &vid, sizeof(vid));
                 std::memcpy(probs + r, &vp, sizeof(vp));
                 r += L;
@@ -317,7 +345,7 @@ struct K {
                 ++r;
             }
         }
-        for (int j = 0; j < L; ++j) total += acc[j];
+        double total = hsum(acc);
         for (; i < n; ++i) {
             const float v = x[i];
             if (!(v >= tmin && (v > c.v || (v == c.v && (int32_t) i <= c.id_v)))) continue;
@@ -333,6 +361,21 @@ struct K {
         return r;
     }
 
+    static DSPARK_INLINE double sum(const double * p, int64_t n) {
+        VD      a = VD{}, b = VD{};
+        int64_t i = 0;
+        for (; i + 2 * L <= n; i += 2 * L) {
+            VD u, w;
+            std::memcpy(&u, p + i, sizeof(u));
+            std::memcpy(&w, p + i + L, sizeof(w));
+            a += u;
+            b += w;
+        }
+        double t = hsum(a + b);
+        for (; i < n; ++i) t += p[i];
+        return t;
+    }
+
     static DSPARK_INLINE void scale(double * p, int64_t n, double f) {
         int64_t i = 0;
         for (; i + L <= n; i += L) {
@@ -345,34 +388,23 @@ struct K {
     }
 
     // inverse-CDF index: the first j whose running sum (blocks of 256 summed first, then the
-    // entries of the block the target falls in) exceeds u * total; n - 1 when rounding leaves none
+    // entries of the block the target falls in) exceeds u * total; n - 1 when rounding leaves none,
+    // -1 when the weights do not sum to a positive finite number
+    static constexpr int64_t kBlock = 256;
     static DSPARK_INLINE int64_t sample(const double * p, int64_t n, double u) {
-        constexpr int64_t B = 256;
-        const int64_t nb = n / B;
-        auto block_sum = [&](int64_t b) {
-            VD acc = VD{};
-            for (int64_t i = b * B; i < (b + 1) * B; i += L) {
-                VD v;
-                std::memcpy(&v, p + i, sizeof(v));
-                acc += v;
-            }
-            double t = 0.0;
-            for (int j = 0; j < L; ++j) t += acc[j];
-            return t;
-        };
-        double total = 0.0;
-        for (int64_t b = 0; b < nb; ++b) total += block_sum(b);
-        for (int64_t i = nb * B; i < n; ++i) total += p[i];
+        const int64_t nb    = n / kBlock;
+        double        total = sum(p, nb * kBlock);
+        for (int64_t i = nb * kBlock; i < n; ++i) total += p[i];
         if (!(total > 0.0) || !std::isfinite(total)) return -1;
         const double target = u * total;
         double       c      = 0.0;
         int64_t      b      = 0;
         for (; b < nb; ++b) {
-            const double t = block_sum(b);
+            const double t = sum(p + b * kBlock, kBlock);
             if (c + t > target) break;
             c += t;
         }
-        for (int64_t i = b * B; i < n; ++i) {
+        for (int64_t i = b * kBlock; i < n; ++i) {
             c += p[i];
             if (c > target) return i;
         }
@@ -384,7 +416,8 @@ struct K {
 
 #define DSPARK_KERNELS(X)                                                                                      \
     X(float, vmax, (const float * x, int64_t n), (x, n))                                                     \
-    X(double, vexp_sum, (const float * x, int64_t n, float m, float * e), (x, n, m, e))                      \
+    X(double, vexp_mass8, (const float * x, int64_t n, float m, float * e, const float * t, double * mass,    \
+                           int64_t * count), (x, n, m, e, t, mass, count))                                     \
     X(void, vmass8, (const float * x, const float * e, int64_t n, const float * t, double * mass,            \
                      int64_t * count), (x, e, n, t, mass, count))                                              \
     X(double, vmass_ge, (const float * x, const float * e, int64_t n, float t), (x, e, n, t))                \
@@ -398,7 +431,7 @@ struct K {
     X(int64_t, sample_index, (const double * p, int64_t n, double u), (p, n, u))
 
 #define DSPARK_KMAP_vmax vmax
-#define DSPARK_KMAP_vexp_sum exp_sum
+#define DSPARK_KMAP_vexp_mass8 exp_mass8
 #define DSPARK_KMAP_vmass8 mass8
 #define DSPARK_KMAP_vmass_ge mass_ge
 #define DSPARK_KMAP_vcollect collect
@@ -441,30 +474,44 @@ struct scratch {
 
 thread_local scratch g_s;
 
+// The eight thresholds of the first bracketing pass (logits below the max).
+void first_thresholds(float m, float * t) {
+    // spaced ~x1.45 where top-p 0.9 .. 0.95 cuts model-like rows (the bracket around the cut then
+    // holds hundreds to a few thousand tokens even in a 262k vocabulary)
+    static const float d[8] = { 0.5f, 1.0f, 2.0f, 3.0f, 4.5f, 6.5f, 9.5f, 14.0f };
+    for (int j = 0; j < 8; ++j) t[j] = m - d[j];
+}
+
 // top_p over the whole row x[0..n-1] (e = exp(x - max), total their sum): the smallest prefix in
 // candidate order whose mass reaches p * total.  Brackets the cut with passes over the row (mass and
-// count above eight thresholds each: first 0.25 .. 32 logits below the max, then evenly inside the
-// bracket) until it holds a few thousand candidates, then sorts those.
-cut top_p_full(const float * x, const float * e, int64_t n, float m, double total, double p) {
-    scratch &    s      = g_s;
-    const double target = p * total;
-    double       above  = 0.0;  // mass of x > hi
-    int64_t      n_above = 0;
-    int64_t      n_band  = n;   // candidates in (lo, hi] (an upper bound at first)
-    float        hi     = INFINITY;
-    float        lo     = -INFINITY;
-    for (int pass = 0; pass < 16 && n_band > 4096; ++pass) {
-        float t[8];
+// count above eight thresholds each: first at fixed distances below the max -- that pass is fused
+// with the exp pass, mass0/count0 -- then evenly inside the bracket) until it holds at most 64k
+// candidates, gathers those and goes on inside them until a few thousand are left to sort.
+cut top_p_full(const float * x, const float * e, int64_t n, float m, double total, double p, const float * t0,
+               const double * mass0, const int64_t * count0) {
+    scratch &    s       = g_s;
+    const double target  = p * total;
+    double       above   = 0.0;  // mass of x > hi
+    int64_t      n_above = 0;    // count of x > hi
+    int64_t      n_gt_lo = n;    // count of x > lo (an upper bound while lo = -inf)
+    float        hi      = INFINITY;
+    float        lo      = -INFINITY;
+    for (int pass = 0; pass < 16; ++pass) {
+        float   t[8];
+        double  mass[8];
+        int64_t count[8];
         if (pass == 0) {
-            for (int j = 0; j < 8; ++j) t[j] = m - std::ldexp(1.0f, j - 2);
+            for (int j = 0; j < 8; ++j) {
+                t[j]     = t0[j];
+                mass[j]  = mass0[j];
+                count[j] = count0[j];
+            }
         } else {
             const float top = std::min(hi, m), bot = lo;
             for (int j = 0; j < 8; ++j) t[j] = top - (top - bot) * (float) (j + 1) / 9.0f;
-            if (!(t[0] < top) || !(t[7] > bot)) break;  // the bracket cannot be split further
+            if (!(t[0] < top) || !(t[7] > bot) || !std::isfinite(bot)) break;  // cannot split further
+            vmass8(x, e, n, t, mass, count);
         }
-        double  mass[8];
-        int64_t count[8];
-        vmass8(x, e, n, t, mass, count);
         int j = 0;
         while (j < 8 && !(mass[j] >= target)) ++j;
         if (j > 0) {
@@ -473,17 +520,47 @@ cut top_p_full(const float * x, const float * e, int64_t n, float m, double tota
             n_above = count[j - 1];
         }
         if (j < 8) {
-            lo     = t[j];
-            n_band = count[j] - n_above;
-        } else if (pass == 0) {
-            n_band = n - n_above;  // below max - 32: rarely reached (p close to 1)
-        } else {
-            n_band = n - n_above;
+            lo      = t[j];
+            n_gt_lo = count[j];
         }
-        if (pass == 0 && j == 8) break;  // everything below max - 32 is the bracket: sort it
+        if (n_gt_lo - n_above <= 65536) break;
     }
     s.idx.clear();
     vcollect(x, n, lo, hi, s.idx);
+    // refine inside the gathered bracket
+    for (int iter = 0; iter < 32 && s.idx.size() > 4096; ++iter) {
+        const size_t nb = s.idx.size();
+        s.bx.resize(nb);
+        s.be.resize(nb);
+        float bmin = INFINITY, bmax = -INFINITY;
+        for (size_t i = 0; i < nb; ++i) {
+            const float v = x[s.idx[i]];
+            s.bx[i]       = v;
+            s.be[i]       = e[s.idx[i]];
+            bmin          = std::min(bmin, v);
+            bmax          = std::max(bmax, v);
+        }
+        if (!(bmax > bmin)) break;  // all equal: ties, sorted below
+        float   t[8];
+        double  mass[8];
+        int64_t count[8];
+        for (int j = 0; j < 8; ++j) t[j] = bmax - (bmax - bmin) * (float) (j + 1) / 9.0f;
+        vmass8(s.bx.data(), s.be.data(), (int64_t) nb, t, mass, count);
+        int j = 0;
+        while (j < 8 && !(above + mass[j] >= target)) ++j;
+        const float  nhi    = j > 0 ? t[j - 1] : hi;
+        const float  nlo    = j < 8 ? t[j] : lo;
+        const double nabove = j > 0 ? above + mass[j - 1] : above;
+        s.idx2.clear();
+        for (size_t i = 0; i < nb; ++i) {
+            if (s.bx[i] > nlo && s.bx[i] <= nhi) s.idx2.push_back(s.idx[i]);
+        }
+        if (s.idx2.size() == nb) break;  // no progress (rounding): sort what is left
+        s.idx.swap(s.idx2);
+        hi    = nhi;
+        lo    = nlo;
+        above = nabove;
+    }
     s.cands.clear();
     for (int32_t i : s.idx) s.cands.push_back({ x[i], i });
     std::sort(s.cands.begin(), s.cands.end(), before);
@@ -563,14 +640,18 @@ int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params &
     } else if (!top_k) {
         // top_p over the whole row; when min_p alone already cuts above top_p's prefix, no sort at all
         s.e.resize((size_t) n);
-        const double total = vexp_sum(x, n, m, s.e.data());
+        float        t0[8];
+        double       mass0[8];
+        int64_t      count0[8];
+        first_thresholds(m, t0);
+        const double total = vexp_mass8(x, n, m, s.e.data(), t0, mass0, count0);
         cut          c;
         bool         need_cut = true;
         if (P.min_p > 0.0f) {
             // mass of x >= tmin: min_p's set is the smaller one when it stays below top_p's target
             need_cut = vmass_ge(x, s.e.data(), n, tmin) >= (double) P.top_p * total;
         }
-        if (need_cut) c = top_p_full(x, s.e.data(), n, m, total, (double) P.top_p);
+        if (need_cut) c = top_p_full(x, s.e.data(), n, m, total, (double) P.top_p, t0, mass0, count0);
         r = emit_row(x, n, c, tmin, m, P.temperature, out_ids, out_probs, cap);
     } else {
         // top_k: the k candidates, sorted; top_p / min_p / softmax on them

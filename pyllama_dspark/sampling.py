@@ -34,6 +34,7 @@ shim predates it, and the "before" of ``bench/sampler_rows.py``).
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence
@@ -276,8 +277,23 @@ def _ids_i32(a, n_vocab: int, what: str) -> Optional[np.ndarray]:
 
 
 class _Scratch(threading.local):
-    ids: Optional[np.ndarray] = None
-    probs: Optional[np.ndarray] = None
+    """Per-thread output buffers of the C chain.  A large kept set (filters off: the whole
+    vocabulary) is returned as views of a pooled pair instead of a copy; a pair is reused once no
+    Dist refers to it any more (its reference count is back to the pool's own), so steady decoding
+    allocates nothing, and a fresh vocabulary-sized allocation (page faults) is not paid per row."""
+
+    def __init__(self):
+        self.pool: list = []
+
+    def take(self, n: int):
+        for pair in self.pool:
+            # an array no view refers to has two references: the pair's tuple and getrefcount's argument
+            if pair[0].size >= n and sys.getrefcount(pair[0]) <= 2 and sys.getrefcount(pair[1]) <= 2:
+                return pair
+        pair = (np.empty(n, dtype=np.int32), np.empty(n, dtype=np.float64))
+        if len(self.pool) < 64:
+            self.pool.append(pair)
+        return pair
 
 
 _scratch = _Scratch()
@@ -289,21 +305,15 @@ def _chain_native(nat, x: np.ndarray, params: SamplingParams, window, banned, cp
     b = _ids_i32(banned, n, "banned")
     if cparams is None:
         cparams = _c_params(nat, params)
-    sc = _scratch
-    if sc.ids is None or sc.ids.size < n:
-        sc.ids = np.empty(n, dtype=np.int32)
-        sc.probs = np.empty(n, dtype=np.float64)
-    ids, probs = sc.ids, sc.probs
+    ids, probs = _scratch.take(n)
     r = nat.chain_dist(nat.ptr_f32(x), n, cparams,
                        nat.ptr_i32(w) if w is not None else None, 0 if w is None else w.size,
                        nat.ptr_i32(b) if b is not None else None, 0 if b is None else b.size,
                        nat.ptr_i32(ids), nat.ptr_f64(probs), ids.size)
     if r <= 0:
         raise ValueError(f"sampler chain: {nat.error_message()}")
-    if r > n // 8:
-        # a large kept set: hand the buffers over instead of copying them (fresh ones next call)
-        sc.ids = sc.probs = None
-        return Dist(ids[:r], probs[:r], n)
+    if r > n // 16:
+        return Dist(ids[:r], probs[:r], n)   # views of the pooled pair (see _Scratch)
     return Dist(ids[:r].copy(), probs[:r].copy(), n)
 
 
