@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from pyllama_dspark.api import Speculator
-from pyllama_dspark.cli import default_target, random_draft_for
+from pyllama_dspark.paths import default_target, random_draft_for
 from pyllama_dspark.llama_server import LlamaServer, ensure_llama_server
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.testing import make_test_draft, plant_markov_bigrams
@@ -53,7 +53,7 @@ def main():
     with LlamaServer(binary, target, None, **common) as s_base, \
             LlamaServer(binary, target, draft, spec_type="draft-dspark", n_max=7, **common) as s_spec, \
             Speculator(target, None, n_threads=a.threads) as p_base, \
-            Speculator(target, draft, n_threads=a.threads, n_max=7) as p_spec:
+            Speculator(target, draft, n_threads=a.threads, n_max=7, schedule="off") as p_spec:   # llama-server's fixed block
         runs = {
             "cpp_base": lambda p: s_base.complete(p, a.n_predict)["timings"]["predicted_per_second"],
             "cpp_spec": lambda p: s_spec.complete(p, a.n_predict)["timings"]["predicted_per_second"],

@@ -10,6 +10,13 @@ from .errors import (  # noqa: F401
     UnsupportedArchError,
 )
 
+from .amx import cpu_has_amx as _cpu_has_amx  # noqa: E402
+
+if _cpu_has_amx():   # llama.cpp's AMX repacking crashes with a draft's capture: load models without it
+    from .amx import install as _install_amx
+
+    _install_amx()
+
 
 def __getattr__(name):
     if name == "Speculator":

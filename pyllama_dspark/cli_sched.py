@@ -10,7 +10,6 @@ import time
 from typing import List, Optional
 
 import click
-import numpy as np
 
 from .errors import DSparkError
 
@@ -23,13 +22,13 @@ def _settings(n_ctx, threads, flash_attn, n_seq=1, n_gpu_layers=0):
 
 
 def _target_path(model):
-    from .cli import default_target
+    from .cli_common import default_target
 
     return model or default_target()
 
 
 def _draft_path(draft, target):
-    from .cli import random_draft_for
+    from .paths import random_draft_for
 
     if draft in ("random", "random-dspark"):
         return random_draft_for(target, "dspark")
@@ -69,7 +68,7 @@ def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output
     target = _target_path(model)
     try:
         with Speculator(target, _draft_path(draft, target), n_ctx=n_ctx, n_threads=threads,
-                        flash_attn=flash_attn) as sp:
+                        flash_attn=flash_attn, schedule="off") as sp:
             bar = tqdm(total=repeats * b_max, desc="profiling", unit="decode", leave=False)
 
             def progress(done, total):
@@ -150,8 +149,10 @@ def register(main: click.Group) -> None:
 # ---- options shared with `run` -------------------------------------------------------------------
 
 schedule_options = [
-    click.option("--schedule", type=click.Choice(["off", "static", "survival", "profiled"]), default=None,
-                 help="Verify-length policy (default: off, or static/survival when --conf-min/--p-survival-min is given)."),
+    click.option("--schedule", type=click.Choice(["auto", "off", "static", "survival", "profiled"]), default=None,
+                 help="Verify-length policy. auto (default with a draft): Algorithm 1 on this machine's cost curve "
+                      "(measured once, cached), drafting only when it pays; off: verify every draft (llama.cpp's "
+                      "fixed block); static/survival when --conf-min/--p-survival-min is given."),
     click.option("--conf-min", type=float, default=None,
                  help="Static pruning: verify up to the first draft whose confidence is below this."),
     click.option("--p-survival-min", type=float, default=None,
@@ -171,35 +172,36 @@ def with_schedule_options(f):
 
 def make_policy(sp, schedule: Optional[str], conf_min: Optional[float], p_survival_min: Optional[float],
                 calibration: Optional[str], profile_path: Optional[str], gamma: int = 7):
-    """A VerifyPolicy for an open Speculator, or None for the plain fixed-length path."""
+    """The VerifyPolicy of an open Speculator from the command-line options (None: fixed blocks).
+
+    No --schedule: static / survival when their threshold is given, else auto (with a draft)."""
     from . import costprofile
     from .calibration import load_calibration
-    from .policy import VerifyPolicy
+    from .policy import policy_for
 
-    if schedule is None:
-        schedule = "static" if conf_min is not None else "survival" if p_survival_min is not None else "off"
-    if schedule == "off":
-        if calibration or profile_path:
-            raise click.UsageError("--calibration/--profile need --schedule static|survival|profiled")
-        return None
-    if sp.draft is None:
+    if schedule == "off" and (calibration or profile_path):
+        raise click.UsageError("--calibration/--profile need a schedule other than off")
+    has_draft = sp.draft is not None
+    if not has_draft and schedule not in (None, "off", "auto"):
         raise click.UsageError(f"--schedule {schedule} needs a draft (-md)")
-    if not sp.draft.meta.has_confidence:
-        raise click.UsageError(f"--schedule {schedule}: this draft has no confidence head (use --schedule off)")
-    if schedule == "static" and conf_min is None:
-        raise click.UsageError("--schedule static needs --conf-min")
-    if schedule == "survival" and p_survival_min is None:
-        raise click.UsageError("--schedule survival needs --p-survival-min")
+    if not has_draft:
+        return None
     temps = load_calibration(calibration, sp.draft.path).temperatures if calibration else None
-    cost = None
-    if schedule == "profiled":
+
+    def cost():
         if profile_path:
-            cost = costprofile.load(profile_path).cost_model()
-        else:
-            click.echo("profiling this machine (cached for next time)...", err=True)
-            cost = costprofile.load_or_measure(sp).cost_model()
-    return VerifyPolicy(mode=schedule, conf_min=conf_min or 0.0, p_survival_min=p_survival_min or 0.0,
-                        cost=cost, temperatures=temps, gamma=gamma)
+            return costprofile.load(profile_path)
+        if (schedule or "auto") == "auto":
+            return costprofile.auto_profile(sp.target)
+        click.echo("profiling this machine (cached for next time)...", err=True)
+        return costprofile.load_or_measure(sp)
+
+    try:
+        return policy_for(schedule, has_draft=True, has_confidence=bool(sp.draft.meta.has_confidence),
+                          cost_source=cost, conf_min=conf_min, p_survival_min=p_survival_min, temperatures=temps,
+                          gamma=gamma)
+    except ValueError as e:
+        raise click.UsageError(f"--schedule: {e}")
 
 
 # ---- bench-schedule ------------------------------------------------------------------------------
@@ -268,15 +270,18 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
     accs = [float(x) for x in accuracies.split(",") if x.strip()]
     items = load_prompts(prompt_paths, limit_per_file=limit)
     # the cost curve of this machine (cached), from a single-sequence context
-    with Speculator(target_p, draft_p, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn) as sp:
+    with Speculator(target_p, draft_p, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, schedule="off") as sp:
         prof = costprofile.load_or_measure(sp)
         prompts = [build_chat_prompt(sp.target, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
         refs = [sp.generate(p, n_predict, ignore_eos=False).tokens for p in prompts]
     cost = prof.cost_model()
     click.echo(prof.table(), err=True)
+    with Speculator(target_p, None, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn) as sp0:
+        auto_cost = costprofile.auto_profile(sp0.target).cost_model()
     label = "random draft" if (draft or "random") == "random" else f"draft {os.path.basename(draft_p)}"
     sources = [(label, None)] + [(f"oracle acc {a:.1f}", a) for a in accs]
-    configs = [("no draft", "none"), ("fixed", "off"), (f"static {conf_min}", "static"), ("profiled", "profiled")]
+    configs = [("no draft", "none"), ("fixed", "off"), (f"static {conf_min}", "static"), ("profiled", "profiled"),
+               ("auto", "auto")]
     rows = []
     for R in r_list:
         t, d, _ = open_models(target_p, draft_p, _settings(n_ctx, threads, flash_attn, R))
@@ -285,7 +290,8 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
             results = {(s, c): [] for s, _ in sources for c, _ in configs}
             # one policy per (proposer, config) across the prompts, as a server keeps it: what the
             # profiled policy learns (draft cost, acceptance, confidence correction) carries over
-            policies = {(s, c): VerifyPolicy(mode="off" if mode == "none" else mode, conf_min=conf_min, cost=cost)
+            policies = {(s, c): VerifyPolicy(mode="off" if mode == "none" else mode, conf_min=conf_min,
+                                             cost=auto_cost if mode == "auto" else cost)
                         for s, _ in sources for c, mode in configs}
             runs = [(s, acc, c, mode) for s, acc in sources for c, mode in configs]
             bar = tqdm(total=len(runs) * len(prompts), desc=f"R={R}", leave=False)

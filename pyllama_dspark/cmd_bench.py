@@ -20,9 +20,10 @@ from .errors import DSparkError
                    "(default: the prompts shipped in the package, or $PYLLAMA_DSPARK_PROMPTS).")
 @click.option("--limit", type=int, default=5, show_default=True, help="Prompts per file.")
 @click.option("--configs", default="auto", show_default=True,
-              help="Comma-separated configurations: none (no draft), dflash (Markov head off), dspark, "
-                   "dspark-static, dspark-survival (confidence-scheduled verification, greedy, drafts with a "
-                   "confidence head); auto = none,dflash,dspark plus the scheduled ones where available.")
+              help="Comma-separated configurations: none (no draft), dflash (Markov head off, fixed block), "
+                   "dspark (the default automatic schedule), dspark-fixed (every draft verified: llama.cpp's fixed "
+                   "block), dspark-static, dspark-survival (confidence-scheduled verification, greedy, drafts with a "
+                   "confidence head); auto = none,dflash,dspark-fixed,dspark plus the scheduled ones where available.")
 @click.option("--conf-min", type=float, default=0.5, show_default=True, help="dspark-static: confidence cut.")
 @click.option("--p-survival", "p_survival", type=float, default=0.3, show_default=True,
               help="dspark-survival: prefix-survival cut.")
@@ -44,13 +45,14 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
 
     from .bench import CONFIGS, SCHEDULED, has_confidence_head, open_configs, run_bench
     from .bench_report import plot_positions, report_json, report_text
-    from .cli import default_target, random_draft_for
+    from .cli_common import default_target
+    from .paths import random_draft_for
     from .prompts import load_prompts
 
     names = [c.strip() for c in configs.split(",") if c.strip()]
     auto = names == ["auto"]
     if auto:
-        names = ["none", "dflash", "dspark"]
+        names = ["none", "dflash", "dspark-fixed", "dspark"]
     bad = [c for c in names if c not in CONFIGS]
     if bad or not names:
         raise click.BadParameter(f"unknown configuration(s) {bad}; choose from {', '.join(CONFIGS)}",

@@ -42,7 +42,8 @@ def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max
                n_ctx, n_batch, threads, flash_attn, seed, json_path):
     """Check our loop against plain greedy, llama.cpp's C++ driver and the numpy draft graph."""
     from .api import Speculator
-    from .cli import default_target, random_draft_for
+    from .cli_common import default_target
+    from .paths import random_draft_for
     from .crosscheck import open_plain_llama, report_text, run_crosscheck
     from .prompts import load_prompts
 
@@ -65,7 +66,7 @@ def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             sp = Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
-                            flash_attn=flash_attn, n_max=n_max)
+                            flash_attn=flash_attn, n_max=n_max, schedule="off")   # step by step vs llama.cpp
     except (DSparkError, ValueError, OSError) as e:
         raise click.ClickException(f"the draft does not load: {e}")
     try:

@@ -16,7 +16,7 @@ from .errors import DSparkError
 def resolve_draft(target: str, draft, spec_type: str):
     """The draft path to load: 'random' drafts are written into the cache; ``draft-dflash`` on a
     DSpark draft runs its DFlash mode (the Markov / confidence heads removed)."""
-    from .cli import random_draft_for
+    from .paths import random_draft_for
 
     if draft in ("random", "random-dspark", "random-dflash"):
         draft = random_draft_for(target, "dflash" if draft == "random-dflash" else "dspark")
@@ -38,7 +38,8 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             sp = Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
-                            flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose)
+                            flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose,
+                            schedule="off")   # serve sets each decoder's policy (--schedule)
         if i == 0:
             for w in list(sp.warnings) + [str(c.message) for c in caught]:
                 log.warning("warning: %s", w)
@@ -94,7 +95,7 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
         from .server import LLAMA_SERVER_SAMPLING, ServerConfig, create_app
     except ImportError as e:
         raise click.ClickException(f"serve needs the server extra ({e}): pip install 'pyllama-dspark[server]'")
-    from .cli import default_target
+    from .cli_common import default_target
 
     for name, v in (("-np", n_slots), ("-c", n_ctx), ("--spec-draft-n-max", n_max), ("-b", n_batch)):
         if v <= 0:

@@ -59,7 +59,7 @@ def train_cmd(target, out, work_dir, stages, n_prompts, slots, max_new, sampled_
         import torch  # noqa: F401
     except ImportError:
         raise click.ClickException("training needs PyTorch: pip install 'pyllama-dspark[train]'")
-    from .cli import default_target
+    from .cli_common import default_target
     from .handles import default_threads
     from .prompts import default_prompt_dir
     from .training.datagen import GenConfig

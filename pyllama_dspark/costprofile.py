@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +37,9 @@ class Profile:
     overhead_ms: float = 0.0        # Python + inject per cycle
     repeats: int = 0
     version: int = PROFILE_VERSION
+    # costs given rather than measured (e.g. a test's): the policy keeps draft_ms instead of
+    # learning the draft pass time from the clock, so its decisions are deterministic
+    fixed: bool = False
 
     def cost_model(self) -> CostModel:
         return CostModel(self.verify_ms, draft_ms=[self.draft_ms], overhead_ms=self.overhead_ms)
@@ -64,7 +68,7 @@ def profile_key(target: str, draft: Optional[str], n_ctx: int, n_threads: int, f
 
 
 def default_path(key: str) -> Path:
-    from .cli import cache_dir
+    from .paths import cache_dir
 
     d = cache_dir() / "profiles"
     d.mkdir(parents=True, exist_ok=True)
@@ -161,4 +165,101 @@ def load_or_measure(sp, *, path=None, b_max: int = 32, repeats: int = 5, remeasu
             return prof
     prof = measure(sp, b_max=b_max, repeats=repeats, progress=progress)
     save(prof, p)
+    return prof
+
+
+# ---- the automatic schedule's cost curve ---------------------------------------------------------
+
+#: A cost profile file used for every target instead of the cache / a measurement (tests, or a
+#: curve measured elsewhere).
+PROFILE_ENV = "PYLLAMA_DSPARK_COST_PROFILE"
+AUTO_B_MAX = 32
+AUTO_BUDGET_S = 15.0
+
+
+def measure_target(target, *, b_max: int = AUTO_B_MAX, repeats: int = 5, budget_s: float = AUTO_BUDGET_S,
+                   seed: int = 0, progress: Optional[Callable[[int, int], None]] = None) -> Profile:
+    """The target's verify cost curve alone (B = 1..b_max, interleaved rounds: one whole, then
+    more while within ``budget_s``).  The draft pass cost is left to the policy, which measures the
+    draft actually in use on its first block.  Uses (and clears) sequence 0 of the target."""
+    b_max = max(1, min(b_max, target.n_batch))
+    rng = np.random.default_rng(seed)
+    prompt = np.asarray(target.tokenize("The quick brown fox jumps over the lazy dog. " * 6), dtype=np.int32)
+    prompt = prompt[: max(1, min(len(prompt), target.n_ctx - b_max - 1))]
+    n0 = len(prompt)
+    target.seq_rm(0, 0, -1)
+    target.decode(prompt, 0, all_outputs=False)
+    toks = rng.integers(1, min(target.n_vocab, 20000), size=b_max).astype(np.int32)
+    ids = np.zeros(b_max, dtype=np.int32)
+    margin = np.zeros(b_max, dtype=np.float32)
+    times = {b: [] for b in range(1, b_max + 1)}
+    t_start = time.perf_counter()
+    done, r = 0, 0
+    try:
+        while r < repeats:
+            for b in rng.permutation(np.arange(1, b_max + 1)):
+                if r >= 1 and time.perf_counter() - t_start > budget_s:
+                    break   # past the budget: every B has its sample from the first round
+                t0 = time.perf_counter()
+                target.decode(toks[:b], n0, all_outputs=True)
+                target.argmax(0, int(b), ids, margin)
+                times[int(b)].append((time.perf_counter() - t0) * 1e3)
+                target.seq_rm(0, n0, -1)
+                done += 1
+                if progress:
+                    progress(done, repeats * b_max)
+            else:
+                r += 1
+                continue
+            break
+    finally:
+        target.seq_rm(0, 0, -1)
+    s = target.settings
+    bs = list(range(1, b_max + 1))
+    q = lambda b, p: float(np.percentile(times[b], p))  # noqa: E731
+    return Profile(
+        key=target_key(target), settings=dict(target=target.path, draft=None, n_ctx=s.n_ctx, n_threads=s.n_threads,
+                                              flash_attn=s.flash_attn, n_gpu_layers=s.n_gpu_layers, b_max=b_max),
+        batch_sizes=bs, verify_ms=[q(b, 50) for b in bs], verify_p10=[q(b, 10) for b in bs],
+        verify_p90=[q(b, 90) for b in bs], draft_ms=0.0, overhead_ms=0.0, repeats=r)
+
+
+def target_key(target) -> str:
+    s = target.settings
+    return profile_key(target.path, None, s.n_ctx, s.n_threads or 0, s.flash_attn, s.n_gpu_layers,
+                       min(AUTO_B_MAX, target.n_batch))
+
+
+def auto_profile(target, echo: Optional[Callable[[str], None]] = None, progress: bool = True) -> Profile:
+    """The cost profile the automatic schedule uses for this target and settings: the file in
+    $PYLLAMA_DSPARK_COST_PROFILE, else the cached one, else measured now (<= ~20 s, a progress bar
+    on stderr) and cached."""
+    env = os.environ.get(PROFILE_ENV)
+    if env:
+        return load(env)
+    key = target_key(target)
+    path = default_path(key)
+    if path.exists():
+        try:
+            prof = load(path)
+            if prof.key == key:
+                return prof
+        except (ValueError, TypeError, json.JSONDecodeError):
+            pass
+    say = echo or (lambda m: print(m, file=sys.stderr, flush=True))
+    say(f"pyllama-dspark: measuring this machine's verify cost curve for {os.path.basename(target.path)} "
+        f"(target decodes of 1..{min(AUTO_B_MAX, target.n_batch)} rows, once; cached in {path})")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="cost profile", unit="decode", leave=False, file=sys.stderr)
+
+        def tick(done, total):
+            bar.total = total
+            bar.update(done - bar.n)
+    prof = measure_target(target, progress=tick if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    save(prof, path)
     return prof

@@ -7,6 +7,10 @@ The engine calls, per sequence:
                               sits at position pos0 and is not yet in the target memory);
   ``rollback(p0)``            positions >= p0 were rejected: forget them;
   ``reset()``                 before a new generation.
+  ``observe_later(...)``      as observe, after a cycle that drafted nothing: the rows may be kept
+                              and folded in by the next proposal (a draft model keeps the captured
+                              features on the host and injects them in one batch when drafting
+                              resumes, so cycles without drafts cost what plain decoding costs).
 
 Like llama.cpp's server, the engine always asks for a full ``n_max`` block and truncates the
 proposal itself when fewer tokens may be drafted (near max_tokens / the end of the context): the
@@ -15,9 +19,10 @@ block is non-causal, so its length changes what the draft predicts.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -35,6 +40,43 @@ class Proposal:
 
 EMPTY = Proposal(np.zeros(0, dtype=np.int32))
 
+#: Host memory one sequence may hold in deferred feature rows before they are injected in one
+#: batch anyway ($PYLLAMA_DSPARK_DEFER_MB, default 64 MiB: ~5,800 rows of SmolLM2's 5 x 576
+#: features, ~800 rows of a 20k-wide target).
+DEFER_BYTES = int(float(os.environ.get("PYLLAMA_DSPARK_DEFER_MB", "64")) * (1 << 20))
+
+
+class _Deferred:
+    """Feature rows of one sequence captured but not yet injected: contiguous positions pos0.."""
+
+    __slots__ = ("pos0", "rows", "n", "nbytes")
+
+    def __init__(self, pos0: int):
+        self.pos0 = pos0
+        self.rows: List[np.ndarray] = []
+        self.n = 0
+        self.nbytes = 0
+
+    def add(self, rows: np.ndarray) -> None:
+        self.rows.append(rows)
+        self.n += rows.shape[0]
+        self.nbytes += rows.nbytes
+
+    def truncate(self, p0: int) -> None:
+        """Drop the rows at positions >= p0."""
+        keep = max(0, p0 - self.pos0)
+        if keep >= self.n:
+            return
+        out, left = [], keep
+        for r in self.rows:
+            if left <= 0:
+                break
+            out.append(r[:left])
+            left -= r.shape[0]
+        self.rows = out
+        self.n = keep
+        self.nbytes = sum(r.nbytes for r in out)
+
 
 class Proposer:
     name = "none"
@@ -47,6 +89,11 @@ class Proposer:
 
     def observe(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
         pass
+
+    def observe_later(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        """Like :meth:`observe` after a cycle that drafted nothing: a proposer may keep the rows
+        and fold them in when it next proposes (no per-cycle draft work while drafting is off)."""
+        self.observe(row0, n, pos0, seq_id)
 
     def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
         return EMPTY
@@ -94,19 +141,51 @@ class DraftModelProposer(Proposer):
         self._ids = np.zeros(cap, dtype=np.int32)
         self._margin = np.zeros(cap, dtype=np.float32)
         self._conf = np.zeros(cap, dtype=np.float32)
+        self._deferred: Dict[int, _Deferred] = {}
+        self.defer_bytes = DEFER_BYTES
+        self.n_deferred_injections = 0     # catch-up injections made (rows folded in at once)
 
     def max_draft(self) -> int:
         return self._max
 
     def reset(self, seq_id: int = 0) -> None:
+        self._deferred.pop(seq_id, None)
         self.draft.seq_rm(seq_id, 0, -1)
 
     def observe(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        self.catch_up(seq_id)
         self.draft.inject_captured(row0, n, pos0, seq_id)
+
+    def observe_later(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        """Copy the captured rows to the host (a few KB per token); they are injected in one batch
+        by :meth:`catch_up` before the next block, or once the buffer passes ``defer_bytes``."""
+        dq = self._deferred.get(seq_id)
+        if dq is not None and dq.pos0 + dq.n != pos0:   # not contiguous (cannot happen in the loops)
+            self.catch_up(seq_id)
+            dq = None
+        if dq is None:
+            dq = self._deferred[seq_id] = _Deferred(pos0)
+        dq.add(self.draft.target.features(row0, n))
+        if dq.nbytes > self.defer_bytes:
+            self.catch_up(seq_id)
+
+    def catch_up(self, seq_id: int = 0) -> None:
+        """Inject the deferred feature rows of ``seq_id`` (one batched injection)."""
+        dq = self._deferred.pop(seq_id, None)
+        if dq is None or dq.n == 0:
+            return
+        rows = dq.rows[0] if len(dq.rows) == 1 else np.concatenate(dq.rows)
+        self.draft.inject(rows, np.arange(dq.pos0, dq.pos0 + dq.n, dtype=np.int32), seq_id)
+        self.n_deferred_injections += 1
+
+    def deferred_rows(self, seq_id: int = 0) -> int:
+        dq = self._deferred.get(seq_id)
+        return 0 if dq is None else dq.n
 
     def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
         if n_draft <= 0:
             return EMPTY
+        self.catch_up(seq_id)
         n_draft = min(n_draft, self._max)
         n_block = n_draft + self.offset
         block = self._block[:n_block]
@@ -154,6 +233,7 @@ class DraftModelProposer(Proposer):
         if n_draft <= 0:
             return EMPTY
         bs = self._sampler()
+        self.catch_up(seq_id)
         n_draft = min(n_draft, self._max)
         n_block = n_draft + self.offset
         block = self._block[:n_block]
@@ -166,13 +246,23 @@ class DraftModelProposer(Proposer):
         return Proposal(tokens, conf, q)
 
     def rollback(self, p0: int, seq_id: int = 0) -> None:
+        dq = self._deferred.get(seq_id)
+        if dq is not None:
+            dq.truncate(p0)
         self.draft.seq_rm(seq_id, p0, -1)
 
     def close(self) -> None:
+        self._deferred.clear()
         if self._markov is not None:
             self._markov.close()
             self._markov = None
         self.draft.close()
+
+
+def observe_later(prop, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+    """``prop.observe_later`` for any proposer (a duck-typed one without it observes now)."""
+    fn = getattr(prop, "observe_later", None)
+    (fn or prop.observe)(row0, n, pos0, seq_id)
 
 
 def clamp_n_max(n_max: int, proposer: Proposer) -> int:

@@ -31,7 +31,7 @@ from typing import Iterator, List, Optional, Union
 from llama_cpp import llama_chat_format as lcf
 
 from . import openai_dicts as oai
-from .api import Speculator
+from .api import Speculator, make_schedule
 from .chat import chat_formatter
 from .drafter import DraftModelProposer, NoDraft, clamp_n_max
 from .engine import Chunk, Done, SpecDecoder
@@ -73,17 +73,22 @@ class DSpark(Owned):
     def __init__(self, target_path: str, draft_path: Optional[str] = None, *, n_max: int = 7,
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512, n_threads: Optional[int] = None,
                  flash_attn: str = "auto", n_gpu_layers: int = 0, chat_format: Optional[str] = None,
-                 chat_handler=None, last_n_tokens_size: int = 64, verbose: bool = False):
+                 chat_handler=None, last_n_tokens_size: int = 64, verbose: bool = False,
+                 schedule="auto", cost_profile=None):
+        """``schedule``: ``"auto"`` (default: verify drafts only where it pays on this machine's
+        measured, cached cost curve), ``"off"`` (every draft verified, llama.cpp's fixed block) or
+        a :class:`~.policy.VerifyPolicy`; ``cost_profile`` as for :class:`~.api.Speculator`."""
         self._sp = Speculator(target_path, draft_path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                               n_threads=n_threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers,
-                              n_max=n_max, verbose=verbose)
+                              n_max=n_max, verbose=verbose, schedule=schedule, cost_profile=cost_profile)
         self._setup(self._sp.target, self._sp.draft, self._sp.proposer, self._sp.n_max, str(target_path),
-                    None, last_n_tokens_size)
+                    None, last_n_tokens_size, policy=self._sp.policy)
         self.warnings = list(self._sp.warnings)
         self._handler = chat_handler or self._handler_from_gguf(chat_format)
 
     @classmethod
-    def from_llama(cls, llm, draft_path: Optional[str] = None, *, n_max: int = 7) -> "DSpark":
+    def from_llama(cls, llm, draft_path: Optional[str] = None, *, n_max: int = 7, schedule="auto",
+                   cost_profile=None) -> "DSpark":
         """A DSpark over an existing ``llama_cpp.Llama``: its context, model, chat format and
         ``last_n_tokens_size``.  Closing the DSpark leaves the Llama usable; closing the Llama
         closes the DSpark first."""
@@ -102,21 +107,28 @@ class DSpark(Owned):
                 raise
         else:
             target, draft, proposer, found = BorrowedTarget(ctx.ctx, llama_settings(llm)), None, NoDraft(), []
-        self._setup(target, draft, proposer, int(n_max), str(llm.model_path), llm, llm.last_n_tokens_size)
+        try:
+            policy = make_schedule(target, draft, schedule, cost_profile, gamma=int(n_max))
+            llm.reset()   # a first-use cost measurement decodes in the Llama's context
+        except BaseException:
+            target.close()
+            raise
+        self._setup(target, draft, proposer, int(n_max), str(llm.model_path), llm, llm.last_n_tokens_size,
+                    policy=policy)
         self.warnings = found
         self._handler = (llm.chat_handler or llm._chat_handlers.get(llm.chat_format)
                          or lcf.get_chat_completion_handler(llm.chat_format))
         close_with_context(self, ctx)
         return self
 
-    def _setup(self, target, draft, proposer, n_max, model_name, llm, last_n) -> None:
+    def _setup(self, target, draft, proposer, n_max, model_name, llm, last_n, policy=None) -> None:
         self.target, self.draft, self.proposer = target, draft, proposer
         # clamp once here (with llama.cpp's warning), not on every request
         self.n_max = n_max if isinstance(proposer, NoDraft) else clamp_n_max(n_max, proposer)
         self.model_path = model_name
         self._llm = llm
         self.last_n_tokens_size = int(last_n)
-        self.decoder = SpecDecoder(target, proposer)
+        self.decoder = SpecDecoder(target, proposer, policy=policy)
         self.last_stats = None
         self._closed = False
 

@@ -20,7 +20,7 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .drafter import NoDraft, Proposer, clamp_n_max
+from .drafter import NoDraft, Proposer, clamp_n_max, observe_later
 from .errors import ContextOverflowError
 from .handles import Target
 from .sampling import Dist, SamplingParams, TokenSampler
@@ -46,6 +46,7 @@ class Stats:
     ms_sample: float = 0.0               # T > 0: target sampler chain + accept/resample (draft's is in ms_draft)
     seed: Optional[int] = None           # T > 0: the seed the generation used (resolved if it was random)
     ms_total: float = 0.0                # generation phase (after prefill)
+    schedule: Optional[str] = None       # what the verification schedule chose, and why (one line)
 
     def record(self, n_drafted: int, n_acc: int) -> None:
         self.cycles += 1
@@ -82,6 +83,8 @@ class Stats:
         d = self._as_dict()
         if self.seed is not None:
             d["seed"] = self.seed
+        if self.schedule is not None:
+            d["schedule"] = self.schedule
         return d
 
     def _as_dict(self) -> dict:
@@ -373,8 +376,12 @@ class SpecDecoder:
             if pol is not None:
                 pol.update(k, n_acc, proposal.confidence if k else None)
             # like llama.cpp: the draft gets the features of every verify row, then both memories
-            # drop the rejected positions
-            prop.observe(0, k + 1, pos0, seq)
+            # drop the rejected positions; a cycle without drafts leaves its row on the host until
+            # the next block (no draft decode while the policy keeps drafting off)
+            if k:
+                prop.observe(0, k + 1, pos0, seq)
+            else:
+                observe_later(prop, 0, 1, pos0, seq)
             if n_acc < k:
                 tgt.seq_rm(seq, pos0 + n_acc + 1, -1)
                 prop.rollback(pos0 + n_acc + 1, seq)
@@ -397,6 +404,8 @@ class SpecDecoder:
         self._mem_state = (prop, toks, out_tokens, pos0)
         stats.ms_total = (clock() - t_gen) * 1e3
         stats.n_generated = len(out_tokens)
+        if self.policy is not None and n_max > 0:
+            stats.schedule = self.policy.summary(stats.verify_lengths)
         tail = text.flush(final=True)
         if pending or tail:
             yield Chunk(pending, tail)

@@ -45,6 +45,7 @@ once positions pass n_batch).  ``detach()`` / ``close()`` restore the Llama's me
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any, List, Optional
 
@@ -52,6 +53,7 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 from llama_cpp.llama_speculative import LlamaDraftModel
 
+from .amx import check_model
 from .drafter import DraftModelProposer, clamp_n_max
 from .errors import ClosedError
 from .gguf_info import read_draft_info, read_target_info, validate_pair
@@ -96,6 +98,7 @@ def borrow_target(llm, draft_path: str):
     dinfo = read_draft_info(draft_path)
     tinfo = read_target_info(llm.model_path)
     found = list(validate_pair(dinfo, tinfo) or [])
+    check_model(llm.model)      # AMX-repacked weights would crash once capture is on
     settings = llama_settings(llm)
     target = BorrowedTarget(ctx.ctx, settings, capture_layers=dinfo.target_layer_ids,
                             allow_last_layer=bool(tinfo.accepts_final_layer_id))
@@ -121,6 +124,9 @@ class DSparkDraftModel(LlamaDraftModel):
     ``refill``: re-derive missing features by re-decoding the committed tokens (see the module
     notes); False turns drafting off for such a sequence instead.
     ``trace``: keep ``(pos0, anchor, drafts)`` of every proposal in ``self.trace`` (debugging, tests).
+    ``schedule``: ``"auto"`` (default): hand llama-cpp-python only the drafts that pay on this
+    machine's cost curve (none at all, and no draft work, while drafting does not pay);
+    ``"off"``: every block in full (llama.cpp's fixed block); or a :class:`~.policy.VerifyPolicy`.
     Counters: ``n_calls``, ``n_proposed`` (tokens returned), ``n_drafted`` / ``n_accepted`` (drafts
     whose verification outcome was seen / of those, the ones llama-cpp-python kept), ``n_refilled``
     (positions re-derived), ``n_skipped`` (calls answered with no draft).
@@ -128,7 +134,8 @@ class DSparkDraftModel(LlamaDraftModel):
 
     _what = "DSpark draft model"
 
-    def __init__(self, llm, draft_path: str, *, n_max: int = 7, refill: bool = True, trace: bool = False):
+    def __init__(self, llm, draft_path: str, *, n_max: int = 7, refill: bool = True, trace: bool = False,
+                 schedule="auto", cost_profile=None):
         self._closed = True
         if int(n_max) <= 0:
             raise ValueError(f"n_max must be >= 1, got {n_max}")
@@ -140,6 +147,10 @@ class DSparkDraftModel(LlamaDraftModel):
             self.draft = Draft(draft_path, self.target, self.settings)
             self.proposer = DraftModelProposer(self.draft)
             self.n_max = clamp_n_max(n_max, self.proposer)
+            from .api import make_schedule
+
+            self.policy = make_schedule(self.target, self.draft, schedule, cost_profile, gamma=self.n_max)
+            llm.reset()   # a first-use cost measurement decodes in the Llama's context
         except BaseException:
             self.target.close()
             raise
@@ -245,15 +256,16 @@ class DSparkDraftModel(LlamaDraftModel):
 
     # ---- KV mirroring ------------------------------------------------------------------------
     def _forget(self) -> None:
-        self.draft.seq_rm(0, 0, -1)
+        self.proposer.reset(0)
         self.covered = 0
 
     def _on_seq_rm(self, p0: int, p1: int) -> None:
         p0 = max(0, int(p0))
         if p1 is None or p1 < 0:
-            self.draft.seq_rm(0, p0, -1)
+            self.proposer.rollback(p0, 0)
             self.covered = min(self.covered, p0)
         elif p1 > p0:
+            self.proposer.catch_up(0)
             self.draft.seq_rm(0, p0, int(p1))   # a hole: mirror it exactly
 
     def _on_decode(self, batch, orig_decode):
@@ -268,9 +280,10 @@ class DSparkDraftModel(LlamaDraftModel):
             return None
         p0, n = int(pos[0]), len(pos)
         contiguous = bool(np.all(pos == np.arange(p0, p0 + n, dtype=pos.dtype)))
-        self.draft.seq_rm(0, p0, -1)
+        self.proposer.rollback(p0, 0)
         if contiguous and p0 <= self.covered:
-            self.draft.inject_captured(0, n, p0, 0)
+            # kept on the host until the next block is drafted (no draft work while none is)
+            self.proposer.observe_later(0, n, p0, 0)
             self.covered = p0 + n
         else:
             self.covered = min(self.covered, p0 if contiguous else int(pos.min()))
@@ -280,12 +293,12 @@ class DSparkDraftModel(LlamaDraftModel):
         """Re-derive features for positions covered..pos0-1 by re-decoding them on the target."""
         tgt, start = self.target, self.covered
         tgt.seq_rm(0, start, -1)
-        self.draft.seq_rm(0, start, -1)
+        self.proposer.rollback(start, 0)
         toks = np.ascontiguousarray(input_ids[start:pos0], dtype=np.int32)
         for c0 in range(0, len(toks), tgt.n_batch):
             chunk = toks[c0:c0 + tgt.n_batch]
             tgt.decode(chunk, start + c0, 0, all_outputs=False)
-            self.draft.inject_captured(0, len(chunk), start + c0, 0)
+            self.proposer.observe(0, len(chunk), start + c0, 0)
         self.n_refilled += len(toks)
         self.covered = pos0
 
@@ -303,17 +316,27 @@ class DSparkDraftModel(LlamaDraftModel):
             # the anchor must directly follow what the target holds; the block must fit the draft KV
             self.n_skipped += 1
             return _EMPTY
-        self.draft.seq_rm(0, pos0, -1)
+        pol = self.policy
+        if pol is not None and not pol.want_draft(1):
+            self.n_skipped += 1     # drafting does not pay here now: plain decoding, no draft work
+            return _EMPTY
+        self.proposer.rollback(pos0, 0)
         self.covered = min(self.covered, pos0)
         if self.covered < pos0:
             if not self.refill:
                 self.n_skipped += 1
                 return _EMPTY
             self._refill(ids, pos0)
+        t0 = time.perf_counter()
         prop = self.proposer.propose(int(ids[-1]), pos0, self.n_max, 0)
         drafts = prop.tokens[: max(0, self.target.n_ctx - pos0 - 1)]
+        conf = prop.confidence
+        if pol is not None:
+            if pol.mode != "off" and len(drafts):
+                drafts = drafts[:pol.lengths([conf], [len(drafts)])[0]]
+            pol.observe_draft(1, (time.perf_counter() - t0) * 1e3)
         self.n_proposed += len(drafts)
-        self._pending = (pos0, int(ids[-1]), drafts.copy())
+        self._pending = (pos0, int(ids[-1]), drafts.copy(), None if conf is None else conf.copy())
         if self.trace is not None:
             self.trace.append((pos0, int(ids[-1]), tuple(int(t) for t in drafts)))
         return drafts.astype(np.intc)
@@ -322,7 +345,7 @@ class DSparkDraftModel(LlamaDraftModel):
         """Score the previous proposal against what llama-cpp-python committed since."""
         if self._pending is None:
             return
-        p, anchor, drafts = self._pending
+        p, anchor, drafts, conf = self._pending
         self._pending = None
         if pos0 <= p or ids[p] != anchor:
             return   # another sequence: the outcome of that block was never seen
@@ -332,6 +355,8 @@ class DSparkDraftModel(LlamaDraftModel):
         n_acc = int(np.argmin(match)) if not match.all() else k
         self.n_drafted += len(drafts)
         self.n_accepted += n_acc
+        if self.policy is not None:
+            self.policy.update(len(drafts), n_acc, conf if len(drafts) else None)
 
     @property
     def acceptance_rate(self) -> float:

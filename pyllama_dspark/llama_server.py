@@ -44,6 +44,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from .amx import cpu_has_amx
 from .errors import DSparkError
 
 __all__ = [
@@ -568,6 +569,10 @@ class LlamaServer:
                "-c", str(self.ctx), "-np", "1", "-fa", self.flash_attn,
                "--temp", "0", "--top-k", "1", "--seed", str(self.seed),
                "--no-webui", "-cram", "0"]
+        if cpu_has_amx():
+            # the same model loading as ours: llama.cpp's AMX repacking crashes with a draft's
+            # capture on, and repacked weights would change the numerics (see pyllama_dspark.amx)
+            cmd += ["--no-repack"]
         if self.threads is not None:
             cmd += ["-t", str(int(self.threads)), "-tb", str(int(self.threads))]
         if self.n_batch is not None:

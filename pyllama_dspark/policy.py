@@ -6,6 +6,8 @@ Modes (``--schedule``):
   survival   cut where the prefix survival prod(c) falls below ``p_survival_min``
   profiled   Algorithm 1 on the machine's profiled cost curve (draft cost included), and no draft
              pass at all while the running survival estimates say drafting cannot pay
+  auto       (the default) profiled, with the running acceptance per position standing in for the
+             confidences when the draft has no confidence head (DFlash, oracle, ...)
 
 Every decision uses only what is known before the token it admits (confidences c_k depend on the
 tokens before position k, the running estimates on past cycles), so every mode is lossless.
@@ -20,7 +22,9 @@ import numpy as np
 
 from .schedule import CostModel, apply_sts, schedule, should_draft, static_cut, survival, survival_cut
 
-MODES = ("off", "static", "survival", "profiled")
+MODES = ("off", "static", "survival", "profiled", "auto")
+COST_MODES = ("profiled", "auto")
+ACC_FLOOR = 1e-3
 
 
 @dataclass
@@ -40,12 +44,16 @@ class VerifyPolicy:
     _hit_sum: np.ndarray = field(default=None, repr=False)      # decayed sums for the online
     _conf_sum: np.ndarray = field(default=None, repr=False)     # confidence correction
     _probe_gap: int = 0
+    learn_costs: bool = True      # follow the measured draft pass time (False: the cost model's, fixed)
+    _cycles: int = 0
+    _verified: int = 0
+    _draft_cycles: int = 0
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"schedule must be one of {MODES}, got {self.mode!r}")
-        if self.mode == "profiled" and self.cost is None:
-            raise ValueError("the profiled schedule needs a cost profile")
+        if self.mode in COST_MODES and self.cost is None:
+            raise ValueError(f"the {self.mode} schedule needs a cost profile")
         if not 0.0 <= self.conf_min <= 1.0 or not 0.0 <= self.p_survival_min <= 1.0:
             raise ValueError("conf_min and p_survival_min must be in [0, 1]")
         # optimistic start: drafting is tried until evidence says it does not pay (the prior weighs
@@ -60,6 +68,10 @@ class VerifyPolicy:
     def needs_confidence(self) -> bool:
         return self.mode in ("static", "survival", "profiled")
 
+    @property
+    def uses_cost(self) -> bool:
+        return self.mode in COST_MODES
+
     def calibrated(self, conf: np.ndarray) -> np.ndarray:
         c = np.asarray(conf, dtype=np.float64)
         if self.temperatures is None or c.size == 0:
@@ -70,7 +82,7 @@ class VerifyPolicy:
     def observe_draft(self, n_requests: int, ms: float) -> None:
         """A draft pass over ``n_requests`` blocks took ``ms``: the scheduler's estimate follows the
         proposer actually in use (a batched pass is not R single passes; an oracle costs ~0)."""
-        if n_requests <= 0 or not np.isfinite(ms) or ms < 0:
+        if not self.learn_costs or n_requests <= 0 or not np.isfinite(ms) or ms < 0:
             return
         old = self._draft_ms.get(n_requests)
         self._draft_ms[n_requests] = ms if old is None else old + 0.2 * (ms - old)
@@ -87,9 +99,9 @@ class VerifyPolicy:
 
     # ---- before drafting ----------------------------------------------------------------------
     def want_draft(self, n_requests: int) -> bool:
-        if self.mode != "profiled":
+        if not self.uses_cost:
             return True
-        if not self._draft_ms:   # one pass to learn what drafting costs here
+        if self.learn_costs and not self._draft_ms:   # one pass to learn what drafting costs here
             return True
         est = [survival(self._acc)] * max(1, n_requests)
         if should_draft(est, self.cost, self.draft_estimate(len(est))):
@@ -128,7 +140,12 @@ class VerifyPolicy:
                 surv.append(np.zeros(0))
                 continue
             if c is None:
-                raise ValueError("the profiled schedule needs a draft with a confidence head")
+                if self.mode != "auto":
+                    raise ValueError("the profiled schedule needs a draft with a confidence head")
+                # no confidence head: the running conditional acceptance per position (past cycles)
+                acc = np.concatenate([self._acc, np.full(max(0, n - self.gamma), self._acc[-1])])[:n]
+                surv.append(survival(acc))
+                continue
             surv.append(survival(self.corrected(self.calibrated(c[:n]))))
         n_blocks = sum(1 for n in n_drafted if n > 0)
         return schedule(surv, self.cost, drafted=True, draft_ms=self.draft_estimate(n_blocks)).lengths
@@ -138,7 +155,7 @@ class VerifyPolicy:
         confidence the verified positions had (decayed sums, one pseudo-observation each), so an
         uncalibrated draft head cannot keep the scheduler over-admitting.  Uses past cycles only."""
         c = np.asarray(conf, dtype=np.float64)
-        if self.mode != "profiled" or c.size == 0:
+        if not self.uses_cost or c.size == 0:
             return c
         k = min(c.size, self.gamma)
         ratio = (self._hit_sum[:k] + 1.0) / (self._conf_sum[:k] + 1.0)
@@ -149,6 +166,9 @@ class VerifyPolicy:
     def update(self, n_verified: int, n_accepted: int, conf: Optional[np.ndarray] = None) -> None:
         """Running conditional acceptance per position from one verified block; ``conf``: the
         (calibrated) confidences the verified drafts had, for :meth:`corrected`."""
+        self._cycles += 1
+        self._verified += n_verified
+        self._draft_cycles += 1 if n_verified else 0
         c = None if conf is None else self.calibrated(np.asarray(conf[:n_verified], dtype=np.float64))
         for k in range(min(n_verified, self.gamma)):
             if k > n_accepted:
@@ -156,7 +176,68 @@ class VerifyPolicy:
             hit = 1.0 if k < n_accepted else 0.0
             self._n[k] += 1
             rate = max(self.ema, 1.0 / (self._n[k] + 1.0))
-            self._acc[k] += rate * (hit - self._acc[k])
+            # floored: an estimate at exactly 0 could never be revised by a schedule that only
+            # verifies what might pay (probes still test it)
+            self._acc[k] = max(ACC_FLOOR, self._acc[k] + rate * (hit - self._acc[k]))
             if c is not None and k < c.size:
                 self._hit_sum[k] = 0.97 * self._hit_sum[k] + hit
                 self._conf_sum[k] = 0.97 * self._conf_sum[k] + c[k]
+
+    # ---- telling the user ---------------------------------------------------------------------
+    def summary(self, verify_lengths: Optional[Sequence[int]] = None) -> str:
+        """One line on what the schedule chose, and why, for the stats line: over the given verify
+        lengths (one generation's), else over every cycle this policy has seen."""
+        if verify_lengths is None:
+            cycles, verified, drafting = self._cycles, self._verified, self._draft_cycles
+        else:
+            cycles, verified = len(verify_lengths), int(sum(verify_lengths))
+            drafting = sum(1 for v in verify_lengths if v)
+        if self.mode == "off":
+            return "schedule off: every drafted token verified (llama.cpp's fixed block)"
+        per = verified / max(cycles, 1)
+        line = f"schedule {self.mode}: verified {per:.2f} drafts/cycle ({drafting} of {cycles} cycles verified drafts)"
+        if self.uses_cost and cycles and per < 0.5:
+            c = self.cost
+            steps = c.t_verify(1 + self.gamma) / c.t_verify(1)
+            draft = self.draft_estimate(1)
+            draft = c.t_draft(1) if draft is None else draft
+            line += (f": on this machine verifying {self.gamma} drafts costs {steps:.1f} target steps and a draft pass "
+                     f"{draft / c.t_verify(1):.1f}, and the draft's acceptance does not cover it "
+                     f"(--schedule off forces the fixed block)")
+        return line
+
+
+def policy_for(mode: Optional[str], *, has_draft: bool, has_confidence: bool, cost_source=None,
+               conf_min: Optional[float] = None, p_survival_min: Optional[float] = None,
+               temperatures: Optional[Sequence[float]] = None, gamma: int = 7) -> Optional["VerifyPolicy"]:
+    """The one constructor of a verification policy from user input, for every front end.
+
+    ``mode`` None picks ``static`` / ``survival`` when their threshold is given, else ``auto``.
+    Returns None (plain fixed-length verification) for ``off`` and when there is no draft.
+    ``cost_source``: a :class:`~.schedule.CostModel`, a :class:`~.costprofile.Profile`, or a
+    callable returning either (called only when a cost-driven mode needs it: measuring is slow)."""
+    if mode is None:
+        mode = "static" if conf_min is not None else "survival" if p_survival_min is not None else "auto"
+    if mode not in MODES:
+        raise ValueError(f"schedule must be one of {MODES}, got {mode!r}")
+    if mode == "off" or not has_draft:
+        if mode in ("static", "survival", "profiled") and not has_draft:
+            raise ValueError(f"the {mode} schedule needs a draft")
+        return None
+    if mode in ("static", "survival", "profiled") and not has_confidence:
+        raise ValueError(f"the {mode} schedule needs a draft with a confidence head (use auto or off)")
+    if mode == "static" and conf_min is None:
+        raise ValueError("the static schedule needs conf_min")
+    if mode == "survival" and p_survival_min is None:
+        raise ValueError("the survival schedule needs p_survival_min")
+    cost, learn = None, True
+    if mode in COST_MODES:
+        src = cost_source() if callable(cost_source) else cost_source
+        if src is None:
+            raise ValueError(f"the {mode} schedule needs a cost profile")
+        if hasattr(src, "cost_model"):
+            learn = not getattr(src, "fixed", False)
+            src = src.cost_model()
+        cost = src
+    return VerifyPolicy(mode=mode, conf_min=conf_min or 0.0, p_survival_min=p_survival_min or 0.0, cost=cost,
+                        temperatures=temperatures, gamma=gamma, learn_costs=learn)

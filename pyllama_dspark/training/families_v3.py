@@ -14,6 +14,7 @@ material that is not a benchmark:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import random
@@ -132,9 +133,7 @@ ADJ = [("older", "youngest", "oldest"), ("taller", "shortest", "tallest"), ("fas
        ("heavier", "lightest", "heaviest")]
 
 
-def _reasoning(r: random.Random) -> str:
-    from .instructions import NAMES
-
+def _reasoning(r: random.Random, NAMES: List[str]) -> str:
     kind = r.randrange(6)
     if kind == 0:
         a, b, c, d = r.sample(NAMES, 4)
@@ -234,12 +233,13 @@ def split_passages(texts: List[str], min_words: int = 30, max_words: int = 150) 
     return out
 
 
-def v3_makers(passages: Optional[List[str]] = None) -> Tuple[Dict[str, Callable], Dict[str, int]]:
-    """Makers and weights of mix v3 (v2's families plus the ones above; ``passage`` only with passages)."""
-    from . import instructions as ins
-
-    makers = dict(ins._MAKERS_V2, pydoc=_pydoc, roleplay=_roleplay, reasoning=_reasoning, stem=_stem,
-                  writing3=_writing3)
+def v3_makers(v2_makers: Dict[str, Callable], names: List[str], passages: Optional[List[str]] = None
+              ) -> Tuple[Dict[str, Callable], Dict[str, int]]:
+    """Makers and weights of mix v3: ``v2_makers`` (the v2 families, passed in by the
+    instructions module, which imports this one) plus the ones above; ``names`` the people the
+    logic puzzles use; ``passage`` only with passages."""
+    makers = dict(v2_makers, pydoc=_pydoc, roleplay=_roleplay, reasoning=functools.partial(_reasoning, NAMES=names),
+                  stem=_stem, writing3=_writing3)
     weights = {"math": 1, "arith": 1, "mathcot": 3, "code": 1, "pycode": 2, "explain": 1, "writing": 1,
                "advice": 1, "compare": 1, "list": 1, "pydoc": 4, "roleplay": 3, "reasoning": 2, "stem": 3,
                "writing3": 3}

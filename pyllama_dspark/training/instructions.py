@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from .families_v3 import V3_SOURCES
+from .families_v3 import V3_SOURCES, v3_makers
 
 __all__ = ["Instruction", "build_instructions", "SOURCES", "is_benchmark_text", "BenchmarkFilter", "MIXES"]
 
@@ -411,9 +411,7 @@ def build_instructions(n: int, seed: int = 0, multiturn_frac: float = 0.12, chat
         raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
     r = random.Random(seed)
     if mix == "v3":
-        from .families_v3 import v3_makers
-
-        makers, weights = v3_makers(passages)
+        makers, weights = v3_makers(_MAKERS_V2, NAMES, passages)
     else:
         makers, weights = (_MAKERS, _WEIGHTS) if mix == "v1" else (_MAKERS_V2, _WEIGHTS_V2)
     if mix == "v1":
