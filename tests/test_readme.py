@@ -84,8 +84,68 @@ def _bash_commands(code: str):
         yield argv
 
 
+def _user(text):
+    return [{"role": "user", "content": text}]
+
+
+def _chat_ref(refs, text, n):
+    return refs.chat(_user(text), n)["choices"][0]["message"]["content"]
+
+
+def _check_run_cli(argv, out, err, refs):
+    """`pyllama-dspark run` (temperature 0.8 by default, so the text itself cannot be predicted):
+    the prompt is llama-cpp-python's chat prompt for -p, at most -n tokens came out, drafts were
+    made, and stdout is the text the stats line counts."""
+    prompt, n = argv[argv.index("-p") + 1], int(argv[argv.index("-n") + 1])
+    m = re.search(r"prompt (\d+) tok, generated (\d+) tok .*drafted (\d+), accepted (\d+)", err)
+    assert m, f"no stats line on stderr:\n{err}"
+    n_prompt, n_gen, drafted, accepted = map(int, m.groups())
+    assert n_prompt == len(refs.chat_tokens(_user(prompt))), "not the chat prompt llama-cpp-python builds"
+    assert 1 <= n_gen <= n and 0 < drafted and 0 <= accepted <= drafted
+    assert out.strip() and len(refs.llm.tokenize(out.strip().encode(), add_bos=False)) <= n + 2
+
+
+def _check_plugin(out, refs):
+    chat = _chat_ref(refs, "Write a haiku about rain.", 32)
+    text = refs.completion("The three primary colors are", 16)["choices"][0]["text"]
+    assert out.startswith(chat + "\n" + text + "\n"), f"not Llama's own greedy output:\n{out!r}\n{chat!r}\n{text!r}"
+    m = re.fullmatch(r"drafted (\d+), accepted (\d+)", out[len(chat) + len(text) + 2:].strip())
+    assert m and int(m.group(1)) > 0 and int(m.group(2)) <= int(m.group(1)), out
+
+
+def _check_dspark(out, refs):
+    import ast
+
+    ref = refs.chat(_user("Explain RoPE in one sentence."), 32)
+    chat = ref["choices"][0]["message"]["content"]
+    assert out.startswith(chat + "\n"), f"not Llama's own greedy output:\n{out!r}\n{chat!r}"
+    lines = out[len(chat) + 1:].split("\n")
+    assert ast.literal_eval(lines[0]) == ref["usage"]
+    tps, draft_n, accepted = lines[1].split()
+    assert float(tps) > 0 and int(draft_n) > 0 and 0 <= int(accepted) <= int(draft_n)
+    last = ast.literal_eval(lines[-2] if lines[-1] == "" else lines[-1])
+    cref = refs.completion("Q: What is 2 + 2?\nA:", 8, stop=["\n"])
+    assert last["choices"][0]["text"] == cref["choices"][0]["text"]
+    assert last["choices"][0]["finish_reason"] == cref["choices"][0]["finish_reason"]
+    assert last["usage"] == cref["usage"] and last["timings"]["draft_n"] >= 0
+
+
+def _check_from_llama(out, refs):
+    chat = _chat_ref(refs, "Name a color.", 8)
+    assert out.startswith(chat + " "), f"not Llama's own greedy output:\n{out!r}\n{chat!r}"
+    assert int(out[len(chat) + 1:].strip()) >= 0
+
+
+#: what each snippet must print, recognised by a line of its code (the prompts are the README's own)
+CHECKS = [
+    ("DSparkDraftModel(llm", _check_plugin),
+    ("DSpark.from_llama(", _check_from_llama),
+    ('with DSpark("target.gguf"', _check_dspark),
+]
+
+
 @pytest.mark.parametrize("lang, code, line", SNIPPETS, ids=[f"README:{n}" for _, _, n in SNIPPETS])
-def test_snippet_runs(lang, code, line, workdir):
+def test_snippet_runs(lang, code, line, workdir, llama_refs):
     if lang == "python":
         runs = [[sys.executable, "-c", code]]
     elif lang == "bash":
@@ -96,3 +156,10 @@ def test_snippet_runs(lang, code, line, workdir):
         p = subprocess.run(argv, cwd=workdir, env=_env(), capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, f"README line {line} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
         assert p.stdout.strip(), f"README line {line} printed nothing"
+        if lang == "bash":
+            assert argv[3] == "run", f"README line {line}: no output check for {argv[3:]}"
+            _check_run_cli(argv, p.stdout, p.stderr, llama_refs)
+        else:
+            checks = [fn for needle, fn in CHECKS if needle in code]
+            assert len(checks) == 1, f"README line {line}: no output check for this snippet (add one to CHECKS)"
+            checks[0](p.stdout, llama_refs)
