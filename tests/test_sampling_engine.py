@@ -1,12 +1,22 @@
-"""T > 0 through the engine, the Python API and the CLI: determinism, the greedy path, prefix reuse."""
+"""T > 0 through the engine, the Python API and the CLI: the target's law, determinism, the greedy
+path, prefix reuse.
+
+The law: the first two tokens of a few hundred seeded generations with full 7-token draft blocks
+(random DSpark and DFlash drafts) against their exact law under llama.cpp's own sampler chain on
+``llama_cpp.Llama``'s logits (tests/first_tokens_law.py), chi-square with a negative control; the
+CLI, run with a draft: a degenerate chain (top-k 1 at temperature 1) must give Llama's greedy
+tokens, and every token of a hot top-k 3 run must be one of the target's 3 best at its position.
+"""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from first_tokens_law import law_check, two_token_law
 from pyllama_dspark.api import Speculator
 from pyllama_dspark.cli import main
 from pyllama_dspark.sampling import SamplingParams
@@ -14,6 +24,57 @@ from pyllama_dspark.sampling import SamplingParams
 THREADS = 1
 T1 = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05, seed=5)
 PROMPT = "Write one sentence about the moon."
+CLI_PROMPT = "The moon is"     # raw: Llama's greedy continuation runs 16 tokens without EOS
+LAW_PROMPT = "The capital of France is"
+LAW_PARAMS = SamplingParams(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
+WRONG_PARAMS = SamplingParams(temperature=2.0, top_k=4, top_p=1.0, min_p=0.0)   # the negative control's law
+N_LAW = 240
+
+
+@pytest.fixture(scope="module")
+def laws(llama_refs):
+    llm = llama_refs.llm
+    prompt = llm.tokenize(LAW_PROMPT.encode(), add_bos=True, special=True)
+    return prompt, two_token_law(llm, prompt, LAW_PARAMS), two_token_law(llm, prompt, WRONG_PARAMS)
+
+
+class _BlockRecorder:
+    """Wraps a proposer and records how many drafts each T > 0 proposal was asked for."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose_sampled(self, anchor, pos0, n_draft, *a, **kw):
+        self.asked.append(n_draft)
+        return self.inner.propose_sampled(anchor, pos0, n_draft, *a, **kw)
+
+
+def _first_two(sp, prompt, params, seed):
+    """(t1, t2) of one generation: t1 from the prefill row, t2 from a cycle over a 7-token block."""
+    got = []
+    it = sp.stream(prompt, 9, sampling=params.with_seed(seed), reuse_prefix=True)
+    for ev in it:
+        got += ev.tokens
+        if len(got) >= 2 or (got and sp.target.is_eog(got[0])):
+            break
+    it.close()
+    return tuple(got[:1]) if sp.target.is_eog(got[0]) else tuple(got[:2])
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_first_two_tokens_follow_the_target_law_with_full_blocks(kind, target_path, dspark_draft_path,
+                                                                 dflash_draft_path, laws):
+    prompt, law, wrong = laws
+    draft = dspark_draft_path if kind == "dspark" else dflash_draft_path
+    with Speculator(target_path, draft, n_threads=THREADS, n_ctx=512) as s:
+        rec = s.decoder.proposer = _BlockRecorder(s.decoder.proposer)
+        samples = [_first_two(s, prompt, LAW_PARAMS, 1000 + i) for i in range(N_LAW)]
+    full = 7 if kind == "dspark" else 6
+    assert rec.asked and all(n == full for n in rec.asked), f"not full blocks: {sorted(set(rec.asked))}"
+    law_check(samples, law, wrong, f"engine, random {kind} draft, blocks of {full}")
 
 
 @pytest.fixture(scope="module")
@@ -75,27 +136,41 @@ def test_reuse_after_an_abandoned_stream(sp):
     assert sp.generate(PROMPT, 12, chat=True, sampling=T1, reuse_prefix=True).tokens == fresh.tokens
 
 
-def test_dflash_draft_samples_too(target_path, dflash_draft_path):
-    with Speculator(target_path, dflash_draft_path, n_threads=THREADS, n_ctx=1024) as s:
-        a = s.generate(PROMPT, 10, chat=True, sampling=T1)
-        assert a.tokens == s.generate(PROMPT, 10, chat=True, sampling=T1).tokens
-        assert a.stats.drafted > 0
-
-
 def _cli(*args):
     r = CliRunner().invoke(main, ["run", "-t", "1", "-c", "512", "-n", "10", "--json", *args], catch_exceptions=False)
     return r
 
 
-def test_cli_sampling_flags(target_path):
-    base = ["-m", target_path, "-p", PROMPT, "--no-draft"]
+def test_cli_sampling_flags(target_path, dspark_draft_path, llama_refs):
+    """`run` at T > 0 with a draft: the flags reach the sampler chain (checked against the target
+    through Llama), a seed replays the run, the greedy path reports no seed."""
+    from llama_cpp import llama_cpp as ll
+
+    base = ["-m", target_path, "-md", dspark_draft_path, "-p", CLI_PROMPT, "--raw", "-n", "16"]
+    prompt = llama_refs.llm.tokenize(CLI_PROMPT.encode(), add_bos=True, special=True)
+    ref = llama_refs.greedy(prompt, 16)
     g = _cli(*base, "--temp", "0")
     assert g.exit_code == 0, g.output
     greedy = json.loads(g.stdout)
-    a = json.loads(_cli(*base, "--temp", "1.0", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.01", "--seed", "3").stdout)
-    b = json.loads(_cli(*base, "--temp", "1.0", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.01", "--seed", "3").stdout)
-    assert a["tokens"] == b["tokens"] and a["stats"]["seed"] == 3
-    assert "seed" not in greedy["stats"]
+    assert "seed" not in greedy["stats"] and greedy["tokens"] == ref
+    # top-k 1 at temperature 1: the law is a point mass on the target's argmax
+    one = json.loads(_cli(*base, "--temp", "1.0", "--top-k", "1", "--top-p", "1", "--min-p", "0", "--seed", "9").stdout)
+    assert one["tokens"] == ref and one["stats"]["drafted"] > 0
+    hot = ["--temp", "1.5", "--top-k", "3", "--top-p", "1", "--min-p", "0", "--seed", "3"]
+    a = json.loads(_cli(*base, *hot).stdout)
+    b = json.loads(_cli(*base, *hot).stdout)
+    assert a["tokens"] == b["tokens"] and a["stats"]["seed"] == 3 and a["stats"]["drafted"] > 0
+    # every sampled token is one of the target's 3 best after its own prefix (teacher-forced)
+    llm = llama_refs.llm
+    seq = list(prompt) + list(a["tokens"])
+    ranks = []
+    for i in range(len(a["tokens"])):
+        llm.reset()
+        llm.eval(seq[:len(prompt) + i])
+        row = np.ctypeslib.as_array(ll.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+        ranks.append(int((row > row[seq[len(prompt) + i]]).sum()))
+    assert max(ranks) < 3, f"a token outside the top-3 of the target: ranks {ranks}"
+    assert a["tokens"] != ref, "a hot top-3 run that never left the greedy path tells nothing"
     bad = CliRunner().invoke(main, ["run", "-m", target_path, "-p", "x", "--min-p", "-1"])
     assert bad.exit_code == 2 and "min_p" in bad.output
 

@@ -1,0 +1,97 @@
+"""The law of the first two sampled tokens, from ``llama_cpp.Llama`` and llama.cpp's own sampler chain,
+and a chi-square goodness-of-fit test against it: the reference of the cheap T > 0 checks of the
+engine, the CLI and the ``DSpark`` class.
+
+``two_token_law(llm, prompt, params)`` evaluates the prompt and every token the chain can draw first
+(``Llama`` one token at a time) and applies :class:`llama_sampler_ref.LlamaChain` (the
+``llama_sampler_*`` chain through the bindings, penalties fed the prompt and t1) to each logits
+row: ``{(t1, t2): probability}``; an end-of-generation t1 is an outcome of its own, ``(t1,)``.
+A sharp chain (top-k 4-5) keeps it to a few dozen outcomes, so a few hundred samples give the test
+real power; :func:`law_check` reports the statistic and a negative control: the same samples
+against the law of another temperature must be rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+from llama_cpp import llama_cpp as ll
+
+from llama_sampler_ref import LlamaChain
+from pyllama_dspark.sampling import SamplingParams
+from test_sampling_rule import chi2_sf
+
+Law = Dict[Tuple[int, ...], float]
+
+
+def _row(llm) -> np.ndarray:
+    ptr = ll.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
+
+
+def two_token_law(llm, prompt: Sequence[int], params: SamplingParams) -> Law:
+    prompt = [int(t) for t in prompt]
+    v = llm.n_vocab()
+    vocab = ll.llama_model_get_vocab(llm.model)
+    llm.reset()
+    llm.eval(prompt)
+    n = llm.n_tokens
+    chain = LlamaChain(params, v, prompt)
+    p1 = chain.probs(_row(llm))
+    chain.close()
+    law: Law = {}
+    for t1 in np.flatnonzero(p1):
+        t1 = int(t1)
+        if ll.llama_vocab_is_eog(vocab, t1):
+            law[(t1,)] = float(p1[t1])
+            continue
+        llm.n_tokens = n
+        llm.eval([t1])
+        chain = LlamaChain(params, v, prompt + [t1])
+        p2 = chain.probs(_row(llm))
+        chain.close()
+        for t2 in np.flatnonzero(p2):
+            law[(t1, int(t2))] = float(p1[t1] * p2[t2])
+    return law
+
+
+def chi2_vs_law(samples: List[Tuple[int, ...]], law: Law) -> Tuple[float, int, float, int]:
+    """(statistic, degrees of freedom, p-value, samples outside the law's support); cells with an
+    expected count below 5 are pooled (with anything outside the support)."""
+    n = len(samples)
+    keys = list(law)
+    index = {k: i for i, k in enumerate(keys)}
+    probs = np.array([law[k] for k in keys])
+    counts = np.zeros(len(keys))
+    outside = 0
+    for s in samples:
+        i = index.get(tuple(s))
+        if i is None:
+            outside += 1
+        else:
+            counts[i] += 1
+    big = probs * n >= 5
+    obs = np.append(counts[big], counts[~big].sum() + outside)
+    exp = np.append(probs[big] * n, probs[~big].sum() * n)
+    m = exp > 0
+    stat = float(((obs[m] - exp[m]) ** 2 / exp[m]).sum())
+    dof = max(1, int(m.sum()) - 1)
+    if outside and not (~big).any():
+        stat = float("inf")     # an outcome the target can never produce
+    return stat, dof, chi2_sf(stat, dof) if np.isfinite(stat) else 0.0, outside
+
+
+def law_check(samples, law: Law, wrong_law: Law, what: str) -> str:
+    """Assert that ``samples`` fit ``law`` (p > 1e-3, nothing outside its support) and that the
+    same samples reject ``wrong_law`` (p < 1e-6: the test has the power to see such a change)."""
+    stat, dof, p, outside = chi2_vs_law(samples, law)
+    wstat, wdof, wp, wout = chi2_vs_law(samples, wrong_law)
+    report = (f"{what}: {len(samples)} samples over {len(law)} outcomes: chi2 {stat:.1f} dof {dof} p {p:.3g} "
+              f"outside {outside}; negative control (another temperature's law): chi2 {wstat:.1f} dof {wdof} "
+              f"p {wp:.3g}")
+    print(report)
+    assert outside == 0, "an outcome the target's sampler chain can never produce: " + report
+    assert p > 1e-3, report
+    assert wp < 1e-6, "the negative control was not rejected: the test has no power here: " + report
+    return report
