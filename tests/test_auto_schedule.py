@@ -193,8 +193,9 @@ def test_lazy_catch_up_equals_eager_injection(target_path, dspark_draft_path):
         diff_lazy = float(np.abs(rows["lazy"] - rows["eager"]).max())
         diff_bad = float(np.abs(rows["bad"] - rows["eager"]).max())
         print(f"\nlazy vs eager max |dlogit| {diff_lazy:.2e}, one row missing {diff_bad:.2e} (scale {scale:.1f})")
-        assert diff_lazy <= 0.05 + 1e-3 * scale
-        assert diff_bad > 10 * max(diff_lazy, 1e-4)
+        tol = 0.05 + 1e-3 * scale        # batch-shape rounding of one 70-row injection vs 70 single rows
+        assert diff_lazy <= tol
+        assert diff_bad > tol              # the same check catches one lost row
         d_lazy.close()
         d_bad.close()
 
