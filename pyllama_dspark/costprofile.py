@@ -89,6 +89,43 @@ def save(profile: Profile, path) -> None:
     os.replace(tmp, p)
 
 
+def _verify_curve(tgt, b_max: int, repeats: int, budget_s: float, seed: int, progress, on_prefill=None,
+                  after_round=None):
+    """Target decode ms per verify batch B = 1..b_max after a short prompt on sequence 0: rounds
+    over every B in a fresh shuffled order (machine noise spreads over all B); after the first
+    round, stops once ``budget_s`` is spent.  Returns (times per B, rounds, the prompt)."""
+    rng = np.random.default_rng(seed)
+    prompt = np.asarray(tgt.tokenize("The quick brown fox jumps over the lazy dog. " * 6), dtype=np.int32)
+    prompt = prompt[: max(1, min(len(prompt), tgt.n_ctx - b_max - 1))]
+    n0 = len(prompt)
+    tgt.seq_rm(0, 0, -1)
+    tgt.decode(prompt, 0, all_outputs=False)
+    if on_prefill is not None:
+        on_prefill(prompt)
+    toks = rng.integers(100, min(tgt.n_vocab, 20000), size=b_max).astype(np.int32)
+    ids = np.zeros(b_max, dtype=np.int32)
+    margin = np.zeros(b_max, dtype=np.float32)
+    times = {b: [] for b in range(1, b_max + 1)}
+    t_start = time.perf_counter()
+    done = r = 0
+    while r < repeats:
+        for b in rng.permutation(np.arange(1, b_max + 1)):
+            if r >= 1 and time.perf_counter() - t_start > budget_s:
+                return times, r, prompt   # past the budget: every B has its samples of whole rounds
+            t0 = time.perf_counter()
+            tgt.decode(toks[:b], n0, all_outputs=True)
+            tgt.argmax(0, int(b), ids, margin)
+            times[int(b)].append((time.perf_counter() - t0) * 1e3)
+            tgt.seq_rm(0, n0, -1)
+            done += 1
+            if progress:
+                progress(done, repeats * b_max)
+        r += 1
+        if after_round is not None:
+            after_round()
+    return times, r, prompt
+
+
 def measure(sp, *, b_max: int = 32, repeats: int = 5, seed: int = 0,
             progress: Optional[Callable[[int, int], None]] = None) -> Profile:
     """Profile an open :class:`~pyllama_dspark.api.Speculator` (target, optional draft)."""
@@ -99,37 +136,23 @@ def measure(sp, *, b_max: int = 32, repeats: int = 5, seed: int = 0,
     tgt = sp.target
     if b_max > tgt.n_batch:
         raise ValueError(f"b_max {b_max} exceeds n_batch {tgt.n_batch}")
-    rng = np.random.default_rng(seed)
-    prompt = np.asarray(tgt.tokenize("The quick brown fox jumps over the lazy dog. " * 6), dtype=np.int32)
-    n0 = len(prompt)
-    tgt.seq_rm(0, 0, -1)
-    tgt.decode(prompt, 0, all_outputs=False)
-    toks = rng.integers(100, min(tgt.n_vocab, 20000), size=b_max).astype(np.int32)
-    ids = np.zeros(b_max, dtype=np.int32)
-    margin = np.zeros(b_max, dtype=np.float32)
-    times = {b: [] for b in range(1, b_max + 1)}
     draft_times: List[float] = []
     prop = sp.proposer if isinstance(sp.proposer, DraftModelProposer) else None
-    if prop is not None:
-        prop.reset()
-        prop.observe(0, n0, 0)
-    total = repeats * b_max
-    done = 0
-    for _ in range(repeats):
-        order = rng.permutation(np.arange(1, b_max + 1))
-        for b in order:
-            t0 = time.perf_counter()
-            tgt.decode(toks[:b], n0, all_outputs=True)
-            tgt.argmax(0, int(b), ids, margin)
-            times[int(b)].append((time.perf_counter() - t0) * 1e3)
-            tgt.seq_rm(0, n0, -1)
-            done += 1
-            if progress:
-                progress(done, total)
+    state = {}
+
+    def prefill(prompt):
+        state["n0"], state["anchor"] = len(prompt), int(prompt[-1])
+        if prop is not None:
+            prop.reset()
+            prop.observe(0, len(prompt), 0)
+
+    def draft_round():
         if prop is not None:
             t0 = time.perf_counter()
-            prop.propose(int(prompt[-1]), n0, prop.max_draft())
+            prop.propose(int(state["anchor"]), state["n0"], prop.max_draft())
             draft_times.append((time.perf_counter() - t0) * 1e3)
+
+    times, _, prompt = _verify_curve(tgt, b_max, repeats, float("inf"), seed, progress, prefill, draft_round)
     # per-cycle overhead: a short real generation
     overhead = 0.0
     done_gen = sp.generate(prompt.tolist(), 24, ignore_eos=True)
@@ -183,35 +206,8 @@ def measure_target(target, *, b_max: int = AUTO_B_MAX, repeats: int = 5, budget_
     more while within ``budget_s``).  The draft pass cost is left to the policy, which measures the
     draft actually in use on its first block.  Uses (and clears) sequence 0 of the target."""
     b_max = max(1, min(b_max, target.n_batch))
-    rng = np.random.default_rng(seed)
-    prompt = np.asarray(target.tokenize("The quick brown fox jumps over the lazy dog. " * 6), dtype=np.int32)
-    prompt = prompt[: max(1, min(len(prompt), target.n_ctx - b_max - 1))]
-    n0 = len(prompt)
-    target.seq_rm(0, 0, -1)
-    target.decode(prompt, 0, all_outputs=False)
-    toks = rng.integers(1, min(target.n_vocab, 20000), size=b_max).astype(np.int32)
-    ids = np.zeros(b_max, dtype=np.int32)
-    margin = np.zeros(b_max, dtype=np.float32)
-    times = {b: [] for b in range(1, b_max + 1)}
-    t_start = time.perf_counter()
-    done, r = 0, 0
     try:
-        while r < repeats:
-            for b in rng.permutation(np.arange(1, b_max + 1)):
-                if r >= 1 and time.perf_counter() - t_start > budget_s:
-                    break   # past the budget: every B has its sample from the first round
-                t0 = time.perf_counter()
-                target.decode(toks[:b], n0, all_outputs=True)
-                target.argmax(0, int(b), ids, margin)
-                times[int(b)].append((time.perf_counter() - t0) * 1e3)
-                target.seq_rm(0, n0, -1)
-                done += 1
-                if progress:
-                    progress(done, repeats * b_max)
-            else:
-                r += 1
-                continue
-            break
+        times, r, _ = _verify_curve(target, b_max, repeats, budget_s, seed, progress)
     finally:
         target.seq_rm(0, 0, -1)
     s = target.settings
