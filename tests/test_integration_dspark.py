@@ -15,8 +15,11 @@ import pytest
 
 from integration_refs import (DSPARK_KW, N_TOKENS, chat_cases, content, greedy_chat, open_llama,
                               streamed_content)
+from first_tokens_law import law_check, two_token_law
 from pyllama_dspark.dspark import DSpark
+from pyllama_dspark.engine import Done
 from pyllama_dspark.errors import ClosedError, ContextOverflowError
+from pyllama_dspark.sampling import SamplingParams
 
 TIMING_KEYS = {"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
                "predicted_per_second", "draft_n", "draft_n_accepted"}
@@ -153,6 +156,48 @@ def test_seeded_sampling(ds):
     assert len(others | {a}) > 1, "different seeds never changed the sample"
     text, _ = streamed_content(ds.create_chat_completion(msgs, seed=7, stream=True, **kw))
     assert text == a
+
+
+class _Tap:
+    """Passes a decoder's events through and keeps the last Done (the tokens behind a response)."""
+
+    def __init__(self, inner):
+        self.inner, self.last = inner, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def stream(self, *a, **kw):
+        for ev in self.inner.stream(*a, **kw):
+            if isinstance(ev, Done):
+                self.last = ev
+            yield ev
+
+
+def test_sampling_follows_the_target_law(ds, llama_refs):
+    """create_completion at T > 0 draws the first two tokens as llama.cpp's sampler chain on the
+    target would (Llama's logits; the second one from a speculative cycle): 240 seeds, chi-square,
+    and a negative control (the same samples against another temperature's law are rejected).
+    Checks that temperature / top_k / top_p / min_p / seed reach the loop as llama-cpp-python's
+    arguments mean them."""
+    llm = llama_refs.llm
+    prompt = llm.tokenize(b"The capital of France is", add_bos=True, special=True)
+    args = dict(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
+    law = two_token_law(llm, prompt, SamplingParams(**args))
+    wrong = two_token_law(llm, prompt, SamplingParams(**dict(args, temperature=2.0)))
+    tap = ds.decoder = _Tap(ds.decoder)
+    try:
+        samples, speculative = [], 0
+        for i in range(240):
+            r = ds.create_completion(prompt, max_tokens=3, seed=2000 + i, **args)
+            toks = tap.last.tokens
+            samples.append(tuple(toks[:1]) if ds.target.is_eog(toks[0]) else tuple(toks[:2]))
+            assert r["timings"]["draft_n"] == tap.last.stats.drafted
+            speculative += tap.last.stats.drafted > 0     # the second token came out of a verify cycle
+    finally:
+        ds.decoder = tap.inner
+    assert speculative == sum(len(x) == 2 for x in samples)
+    law_check(samples, law, wrong, "DSpark.create_completion, random DSpark draft")
 
 
 def test_two_dspark_objects_over_two_targets(target_path, dspark_draft_path, dflash_draft_path, cases):
