@@ -270,7 +270,12 @@ def test_read_dflash_draft_info(target_path, dflash_draft_path):
     assert not d.has_confidence_head and d.confidence_key is None
     assert d.sample_from_anchor and d.sample_from_anchor_key is None  # llama.cpp's default
     assert d.max_drafts == d.block_size - 1 == 6
-    assert isinstance(gi.validate_pair(d, gi.read_target_info(target_path)), list)
+    t = gi.read_target_info(target_path)
+    assert d.target_layer_ids == tuple(default_target_layers(SMOLLM2_LAYERS)) and d.mask_token_id == 16
+    assert (d.n_embd, d.n_layer, d.n_vocab, d.fc_type) == (SMOLLM2_EMBD, 2, SMOLLM2_VOCAB, "F32")
+    assert d.tokenizer_fingerprint == t.tokenizer_fingerprint and d.rope_freq_base == t.rope_freq_base
+    assert not d.problems
+    assert gi.validate_pair(d, t) == []      # a sound pair: no warning at all
 
 
 def test_default_target_layers_are_valid():
@@ -437,12 +442,81 @@ def test_unsupported_target_arch(target_path, dspark_draft_path, tmp_path):
     assert ds.accepts_final_layer_id and ds.max_layer_id == ds.n_layer == 30
 
 
-def test_layer_input_arch_table():
-    for arch in ("llama", "qwen3", "qwen3moe", "gemma4", "deepseek4", "nemotron_h", "gpt-oss"):
-        assert arch in gi.LAYER_INPUT_ARCHS
-    for arch in ("gpt2", "phi3", "qwen2", "gemma3", "qwen4exp", "dflash", "llama-embed"):
+def _derive_layer_input_archs(src):
+    """From llama.cpp's own sources (``src`` = its src/ folder): {arch name: graph files} of the
+    architectures whose graph stores ``t_layer_inp[il]``, and of those that also store
+    ``t_layer_inp[n_layer]``.  Graph files -> model classes defining that graph (``X::graph``), plus
+    the classes that reuse it (``using graph = X::graph`` in models/models.h) -> architectures
+    (``llama_model_mapping``'s ``case LLM_ARCH_*: return new X``) -> names (``LLM_ARCH_NAMES``)."""
+    import re
+
+    models = src / "models"
+    owners, final_files = {}, set()
+    for f in sorted(models.glob("*.cpp")):
+        text = f.read_text()
+        if re.search(r"t_layer_inp\[il\]\s*=", text):
+            owners[f.name] = set(re.findall(r"\b(llama_model_\w+)::graph\b", text))
+        if re.search(r"t_layer_inp\[n_layer\]\s*=", text):
+            final_files.add(f.name)
+    users, cur = {}, None
+    for line in (models / "models.h").read_text().splitlines():
+        m = re.match(r"\s*struct\s+(llama_model_\w+)\b", line)
+        if m:
+            cur = m.group(1)
+        m = re.search(r"using\s+graph\s*=\s*(llama_model_\w+)::graph", line)
+        if m and cur:
+            users.setdefault(m.group(1), set()).add(cur)
+    mapping = (src / "llama-model.cpp").read_text()
+    body = mapping[mapping.index("llama_model_mapping("):]
+    body = body[:body.index("\n}\n")]
+    cls_arch, pending = {}, []
+    for line in body.splitlines():
+        m = re.match(r"\s*case\s+(LLM_ARCH_\w+)\s*:", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.search(r"return\s+new\s+(llama_model_\w+)\s*\(", line)
+        if m:
+            for a in pending:
+                cls_arch.setdefault(m.group(1), set()).add(a)
+            pending = []
+    names = dict(re.findall(r"\{\s*(LLM_ARCH_\w+)\s*,\s*\"([^\"]+)\"\s*\}", (src / "llama-arch.cpp").read_text()))
+
+    def archs(fnames):
+        out = {}
+        for fn in fnames:
+            for owner in owners.get(fn, ()):
+                for cls in {owner} | users.get(owner, set()):
+                    for a in cls_arch.get(cls, ()):
+                        out.setdefault(names[a], set()).add(fn)
+        return out
+
+    return archs(owners), archs(final_files)
+
+
+def test_layer_input_arch_table_matches_llama_cpp_sources():
+    """The table of targets that can feed a draft, re-derived from the vendored llama.cpp sources
+    (the llama-server build's copy): every architecture whose graph writes the layer inputs is in
+    it, except the two left out on purpose, and nothing else is; the same for the final-layer
+    table; and every ``file:line`` the table cites is such a store."""
+    from pyllama_dspark.llama_server import ensure_llama_server, llama_server_cache_dir
+
+    ensure_llama_server()     # also extracts llama.cpp's sources into the cache
+    src = llama_server_cache_dir() / "src" / "src"
+    assert (src / "models" / "models.h").is_file(), f"llama.cpp sources not found under {src}"
+    derived, final = _derive_layer_input_archs(src)
+    assert {"llama", "qwen3", "gemma4", "nemotron_h", "gpt-oss"} <= set(derived)   # the parser works
+    on_purpose = {"qwen4exp", "llama-embed"}     # hyper-connection rows n_embd * hc wide; no KV cache
+    assert on_purpose <= set(derived)
+    assert set(derived) - on_purpose == gi.LAYER_INPUT_ARCHS
+    assert set(final) == gi.FINAL_LAYER_INPUT_ARCHS <= gi.LAYER_INPUT_ARCHS
+    for where, archs in gi._LAYER_INPUT_SOURCES.items():
+        fname, line = where.split(":")
+        text = (src / "models" / fname).read_text().splitlines()[int(line) - 1]
+        assert "t_layer_inp[il]" in text, (where, text)
+        assert all(fname in derived[a] for a in archs), where
+    for arch in ("gpt2", "phi3", "qwen2", "gemma3", "dflash"):
         assert arch not in gi.LAYER_INPUT_ARCHS
-    assert gi.FINAL_LAYER_INPUT_ARCHS <= gi.LAYER_INPUT_ARCHS
 
 
 # --------------------------------------------------------------------------------------------
