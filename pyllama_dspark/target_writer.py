@@ -508,9 +508,3 @@ def router_margins(target_path, tokens: Sequence[int], *, n_threads: Optional[in
         out[il] = srt[:, n_used - 1] - srt[:, n_used]
     return out
 
-
-def describe(arch: str) -> str:
-    """One line about an arch (for the CLI help / errors)."""
-    s = ARCH_SPECS[arch]
-    return f"{s.name}: {s.note}; real vocabulary {s.real_n_vocab:,}"
-
