@@ -115,33 +115,57 @@ def test_policy_refuses_bad_settings(target_path, dflash_draft_path):
         BatchDecoder(t, OracleProposer([1, 2, 3], t.n_vocab), n_max=4)   # 3 x 5 rows fit
 
 
-def test_batched_sampling_equals_each_sequences_own_sampling(target_path, refs):
+def test_batched_sampling_follows_the_targets_law(target_path, refs):
     """T > 0 through the batched decoder (trained drafter: Markov conditioning on the drawn token,
-    reduced vocabulary, accepts and rejections): every sequence draws exactly what the
-    single-sequence engine draws with the same seed.  With one slot the decodes have the same
-    shapes, so this is exact by construction of the shared accept rule; with three slots each
-    sequence's rows sit in larger batches."""
-    from pyllama_dspark.api import Speculator
-    from pyllama_dspark.cli import default_draft
+    reduced vocabulary, accepts and rejections; three slots, so each sequence's rows share decodes
+    with others'), checked against the target's own law along whole 40-token generations: the
+    randomized probability integral transform of every emitted token under llama.cpp's sampler
+    chain on ``llama_cpp.Llama``'s logits (given the emitted prefix) must be uniform, and no token
+    may fall outside the chain's support.  The first tokens' joint law is tested exactly in
+    test_sampling_blocks.py.  Negative control: the same tokens under the chain at temperature
+    1.6 (a wrong law) must be rejected."""
+    import os
+    from dataclasses import replace
+
+    from llama_cpp import Llama
+
+    import pyllama_dspark
+    from block_law import pit_values, uniform_chi2
+    from greedy_ref import LLAMA_KW
     from pyllama_dspark.sampling import SamplingParams
 
-    draft = default_draft()
-    prompts = [p for p, _, _ in refs[:4]]
-    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=100 + i) for i in range(4)]
+    draft = os.path.join(os.path.dirname(pyllama_dspark.__file__), "data", "SmolLM2-135M-Instruct-DSpark.gguf")
+    base = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+    jobs = [(p, base.with_seed(100 + 10 * i + j)) for i, (p, _, _) in enumerate(refs[:4]) for j in range(3)]
     n = 40
-    with Speculator(target_path, draft, n_threads=THREADS, n_ctx=2048) as sp:
-        singles = [sp.generate(p, n, sampling=s) for p, s in zip(prompts, params)]
-    assert sum(d.stats.accepted for d in singles) > 0 and sum(d.stats.drafted - d.stats.accepted for d in singles) > 0
-    for n_seq in (1, 3):
-        t, d = _open(target_path, draft, n_seq)
-        with t:
-            bd = BatchDecoder(t, d, n_max=7)
-            done = bd.run(prompts, n, sampling=params)
-        for i, (a, b) in enumerate(zip(done, singles)):
-            assert a.tokens == b.tokens, (n_seq, i)
-            assert a.stats.seed == b.stats.seed == 100 + i
-        if n_seq == 3:
-            assert max(bd.verify_batches) > 8   # several sequences' rows verified in one decode
+    t, d = _open(target_path, draft, 3)
+    with t:
+        bd = BatchDecoder(t, d, n_max=7, policy=VerifyPolicy(mode="off"))
+        done = bd.run([p for p, _ in jobs], n, sampling=[s for _, s in jobs])
+    assert max(bd.verify_batches) > 8   # several sequences' rows verified in one decode
+    drafted = sum(dn.stats.drafted for dn in done)
+    accepted = sum(dn.stats.accepted for dn in done)
+    assert 0 < accepted < drafted
+    assert [dn.stats.seed for dn in done] == [s.seed for _, s in jobs]
+    llm = Llama(model_path=target_path, logits_all=True, n_threads=THREADS, **LLAMA_KW)
+    try:
+        rng = np.random.default_rng(0)
+        u, outside, u_wrong = [], 0, []
+        for (p, s), dn in zip(jobs, done):
+            vals, out = pit_values(llm, p, dn.tokens, s, rng)
+            u += vals
+            outside += out
+            u_wrong += pit_values(llm, p, dn.tokens, replace(s, temperature=1.6), rng)[0]
+    finally:
+        llm.close()
+    st, dof, pv, _ = uniform_chi2(u)
+    wst, wdof, wpv, _ = uniform_chi2(u_wrong)
+    report = (f"{len(done)} sequences, {len(u)} tokens (drafted {drafted}, accepted {accepted}); outside the "
+              f"support {outside}; PIT chi2 {st:.1f} dof {dof} p {pv:.3g}; wrong law (T 1.6) chi2 {wst:.1f} p {wpv:.3g}")
+    print(report)
+    assert outside == 0, report
+    assert pv > 1e-3, report
+    assert wpv < 1e-3, "negative control not rejected: " + report
 
 
 def test_batched_streaming_events_and_cancel(target_path, refs):
