@@ -27,14 +27,10 @@ from pyllama_dspark.testing import make_test_draft, plant_markov_bigrams
 
 
 @pytest.fixture(scope="module")
-def cases(target_path):
-    """(name, messages, plain greedy text from a fresh prefill) for 10 benchmark prompts."""
-    llm = open_llama(target_path)
-    out = []
-    for name, msgs in chat_cases():
-        llm.reset()
-        out.append((name, msgs, content(greedy_chat(llm, msgs))))
-    llm.close()
+def cases(llama_refs):
+    """(name, messages, plain greedy text from a fresh prefill) for 10 benchmark prompts (computed
+    once per run)."""
+    out = [(name, msgs, content(llama_refs.chat(msgs, N_TOKENS))) for name, msgs in chat_cases()]
     assert len(out) >= 10
     return out
 
