@@ -79,11 +79,13 @@ def install() -> None:
     model loaded afterwards, by this package or by ``llama_cpp.Llama``, skips repacking."""
     if not cpu_has_amx() or _orig:
         return
+    import llama_cpp
     from llama_cpp import llama_cpp as ll
 
     _orig["params"] = ll.llama_model_default_params
     _orig["load"] = ll.llama_model_load_from_file
-    ll.llama_model_default_params = model_params
-    ll.llama_model_load_from_file = _load_recording
+    for mod in (ll, llama_cpp):   # the bindings module and the package's re-export of it
+        mod.llama_model_default_params = model_params
+        mod.llama_model_load_from_file = _load_recording
 
 

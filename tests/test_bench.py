@@ -86,13 +86,15 @@ def test_bench_cli_small_run(dspark_draft_path, target_path, tmp_path):
                                   "--json", str(out_json), "--plot", str(out_png)])
     print(r.output)
     assert r.exit_code == 0, r.output
-    assert "dspark vs baseline" in r.output and "dflash vs baseline" in r.output and "dspark vs dflash" in r.output
+    assert "dspark vs baseline" in r.output and "dflash vs baseline" in r.output
+    assert "dspark-fixed vs baseline" in r.output and "dspark-fixed vs dflash" in r.output
     data = json.loads(out_json.read_text())
     assert data["greedy_mismatches"] == []
     res = data["results"]
-    # auto: the scheduled variants join because the random draft has a confidence head
-    cfgs = ["dflash", "dspark", "dspark-static", "dspark-survival", "none"]
-    assert sorted({x["config"] for x in res}) == cfgs and len(res) == 10
+    # auto: DSpark with the default schedule and with llama.cpp's fixed block; the scheduled
+    # variants join because the random draft has a confidence head
+    cfgs = ["dflash", "dspark", "dspark-fixed", "dspark-static", "dspark-survival", "none"]
+    assert sorted({x["config"] for x in res}) == cfgs and len(res) == 12
     assert {x["turns"] for x in res if x["source"] == "mt-bench"} == {2}
     assert all(x["n_generated"] >= 2 for x in res)
     assert all(x["drafted"] > 0 for x in res if x["config"] != "none")
