@@ -3,24 +3,39 @@
 Same target, same draft GGUF, same settings (n_ctx 4096, n_batch 512, flash attention auto,
 --spec-draft-n-max 7, greedy): the Python loop must produce the same tokens, the same
 drafted/accepted totals (llama-server's ``timings``) and the same per-step (drafted, accepted)
-sequence (its LLAMA_TRACE log).  Two drafts: a random DSpark draft (exercises the draft-length
-rules; accepts ~nothing) and the same draft with target bigrams planted in its Markov head, so
-llama.cpp's in-graph Markov chain proposes real continuations with partial acceptances.
+sequence (its LLAMA_TRACE log).  Drafts: a random DSpark draft (exercises the draft-length
+rules; accepts ~nothing); the same draft with target bigrams planted in its Markov head, so
+llama.cpp's in-graph Markov chain proposes real continuations with partial acceptances; the
+shipped trained drafter (F16 weights, reduced vocabulary through its d2t table); DFlash drafts
+(``--spec-type draft-dflash``: a random DFlash draft, and the shipped drafter's DFlash mode, its
+Markov / confidence heads removed, as ``serve --spec-type draft-dflash`` runs it); and the shipped
+drafter with a confidence threshold, our static schedule (``--conf-min``) against llama.cpp's
+``--spec-draft-p-min``, which common/speculative.cpp applies to DSpark drafts the same way (the
+block ends at the first drafted position whose confidence is below it).
+
+Our side always pins its verification schedule (the fixed block, or the static cut): llama-server
+has no other.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+import pyllama_dspark
 from pyllama_dspark.api import Speculator
+from pyllama_dspark.dflash_mode import dflash_mode_draft
 from pyllama_dspark.llama_server import LlamaServer, ensure_llama_server
+from pyllama_dspark.policy import VerifyPolicy
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.testing import make_test_draft, plant_markov_bigrams
 
 pytestmark = pytest.mark.slow
 
 N_PREDICT = 64
-THREADS = 2
+# both sides use the same count; PYLLAMA_DSPARK_PARITY_THREADS=1 on a machine shared with other jobs
+THREADS = int(os.environ.get("PYLLAMA_DSPARK_PARITY_THREADS", "2"))
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +61,30 @@ def bigram_draft(target_path, prompts, tmp_path_factory):
     return str(path)
 
 
-def _compare(target_path, draft, prompts, binary, min_accepted):
+def shipped_draft() -> str:
+    path = os.path.join(os.path.dirname(pyllama_dspark.__file__), "data", "SmolLM2-135M-Instruct-DSpark.gguf")
+    assert os.path.isfile(path), path
+    return path
+
+
+def _compare(target_path, draft, prompts, binary, min_accepted, *, spec_type="draft-dspark", p_min=None,
+             n_predict=N_PREDICT):
+    """Same tokens, totals and per-step counts.  ``p_min``: llama-server's --spec-draft-p-min and
+    our static schedule with that conf_min; otherwise our fixed block (schedule "off")."""
     rows, mismatches = [], []
-    with LlamaServer(binary, target_path, draft, spec_type="draft-dspark", n_max=7, ctx=4096, threads=THREADS,
+    schedule = "off" if p_min is None else VerifyPolicy(mode="static", conf_min=p_min)
+    with LlamaServer(binary, target_path, draft, spec_type=spec_type, n_max=7, p_min=p_min, ctx=4096, threads=THREADS,
                      n_batch=512, n_ubatch=512, flash_attn="auto") as srv, \
             Speculator(target_path, draft, n_ctx=4096, n_batch=512, n_threads=THREADS, flash_attn="auto",
-                       n_max=7) as sp:
+                       n_max=7, schedule=schedule) as sp:
+        assert sp.decoder.policy is None or sp.decoder.policy.mode == "static"
         for name, prompt, _ in prompts:
-            cpp = srv.complete(prompt, N_PREDICT)
-            ours = sp.generate(prompt, N_PREDICT)
+            cpp = srv.complete(prompt, n_predict)
+            ours = sp.generate(prompt, n_predict)
             t = cpp["timings"]
             c_steps = [(s[0], s[1]) for s in cpp["steps"]]
             o_steps = [(d, a) for d, a in zip(ours.stats.verify_lengths, ours.stats.cycle_accepted) if d > 0]
-            row = dict(prompt=name, tokens_equal=cpp["tokens"] == ours.tokens,
+            row = dict(prompt=name, tokens_equal=cpp["tokens"] == ours.tokens, o_steps=o_steps,
                        cpp=(t.get("draft_n", 0), t.get("draft_n_accepted", 0)),
                        ours=(ours.stats.drafted, ours.stats.accepted), steps_equal=c_steps == o_steps,
                        cpp_tps=t.get("predicted_per_second"), ours_tps=ours.stats.tokens_per_second)
@@ -67,7 +93,7 @@ def _compare(target_path, draft, prompts, binary, min_accepted):
                 mismatches.append(f"{row}\n  cpp steps  {c_steps}\n  ours steps {o_steps}\n"
                                   f"  cpp tokens  {cpp['tokens']}\n  ours tokens {ours.tokens}")
     for r in rows:
-        print(r)
+        print({k: v for k, v in r.items() if k != "o_steps"})
     assert not mismatches, "\n".join(mismatches)
     assert sum(r["ours"][1] for r in rows) >= min_accepted
     return rows
@@ -82,3 +108,39 @@ def test_bigram_draft_matches_llama_server(target_path, bigram_draft, prompts, s
     rows = _compare(target_path, bigram_draft, prompts, server_binary, min_accepted=20)
     # partial acceptances happened: some steps accepted part of a block
     assert any(0 < r["ours"][1] < r["ours"][0] for r in rows)
+
+
+# ---- the shipped drafter, DFlash drafts, the confidence threshold: 3 prompts x 48 tokens each ------
+
+N_SHORT = 48
+
+
+def test_shipped_drafter_matches_llama_server(target_path, prompts, server_binary):
+    """F16 weights, reduced vocabulary (d2t): draft ids mapped to target ids on both sides."""
+    rows = _compare(target_path, shipped_draft(), prompts[:3], server_binary, min_accepted=20, n_predict=N_SHORT)
+    assert any(0 < r["ours"][1] < r["ours"][0] for r in rows)
+
+
+def test_dflash_drafts_match_llama_server(target_path, dflash_draft_path, prompts, server_binary):
+    """--spec-type draft-dflash: block [anchor, mask x (block_size - 1)], drafts read from rows
+    1.. (both sides clamp --spec-draft-n-max 7 to block_size - 1 = 6).  A random DFlash draft (the
+    draft-length rules) and the shipped drafter's DFlash mode (partial acceptances)."""
+    rows = _compare(target_path, dflash_draft_path, prompts[:1], server_binary, min_accepted=0,
+                    spec_type="draft-dflash", n_predict=32)
+    assert sum(r["ours"][0] for r in rows) > 0
+    dflash_shipped = dflash_mode_draft(shipped_draft())
+    assert dflash_shipped != shipped_draft()
+    rows = _compare(target_path, dflash_shipped, prompts[:3], server_binary, min_accepted=10,
+                    spec_type="draft-dflash", n_predict=N_SHORT)
+    assert any(0 < r["ours"][1] < r["ours"][0] for r in rows)
+
+
+def test_conf_min_matches_llama_server_p_min(target_path, prompts, server_binary):
+    """Our static schedule (--conf-min 0.5) against llama-server's --spec-draft-p-min 0.5 on the
+    shipped drafter (it has a confidence head): the same truncated blocks, step by step."""
+    rows = _compare(target_path, shipped_draft(), prompts[:3], server_binary, min_accepted=10, p_min=0.5,
+                    n_predict=N_SHORT)
+    # the threshold cut blocks short (not only the max_tokens limit at each prompt's end) and left
+    # some whole
+    lengths = [d for r in rows for d, _ in r["o_steps"][:-1]]
+    assert any(0 < d < 7 for d in lengths) and 7 in lengths, lengths
