@@ -183,8 +183,11 @@ def load_or_measure(sp, *, path=None, b_max: int = 32, repeats: int = 5, remeasu
                       s.n_gpu_layers, b_max)
     p = Path(path) if path else default_path(key)
     if p.exists() and not remeasure:
-        prof = load(p)
-        if prof.key == key or path:
+        try:
+            prof = load(p)
+        except (ValueError, TypeError):   # another profile version, or a damaged file: measure again
+            prof = None
+        if prof is not None and (prof.key == key or path):
             return prof
     prof = measure(sp, b_max=b_max, repeats=repeats, progress=progress)
     save(prof, p)
