@@ -1,19 +1,23 @@
 """Lossless greedy DSpark: our loop's tokens == plain greedy of the target through llama-cpp-python.
 
 20 prompts (4 from each of the five benchmark files), chat template applied, 128 tokens each, for a
-random DSpark draft, a random DFlash draft and the oracle proposer (the target's own continuation
-with planted errors).  A divergence is reported with the target's top-2 logit margin at that point
-(near-tie vs real bug) and fails the test either way.
+random DSpark draft whose Markov head holds bigrams of the target's own continuations (planted, one
+in five left out: every prompt sees accepted runs and rejections inside blocks), a random DFlash
+draft and the oracle proposer (the target's own continuation with planted errors).  The references
+are ``Llama`` greedy (the session fixture ``llama_refs``, shared with the other test files).  A
+divergence is reported with the target's top-2 logit margin at that point (near-tie vs real bug)
+and fails the test either way.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from greedy_ref import explain_mismatch, greedy, open_llama
+from greedy_ref import explain_mismatch
 from pyllama_dspark.api import Speculator
 from pyllama_dspark.oracle import OracleProposer
 from pyllama_dspark.prompts import load_prompts
+from pyllama_dspark.testing import make_test_draft, plant_markov_bigrams
 
 N_TOKENS = 128
 PER_FILE = 4
@@ -22,40 +26,55 @@ THREADS = 2
 
 
 @pytest.fixture(scope="module")
-def cases(target_path):
+def cases(target_path, llama_refs):
     items = load_prompts(limit_per_file=PER_FILE)
     assert len({it.source for it in items}) == 5 and len(items) >= 20
+    msgs = [[{"role": "user", "content": it.turns[0]}] for it in items]
+    prompts = [llama_refs.chat_tokens(m) for m in msgs]          # llama-cpp-python's own chat prompt
     with Speculator(target_path, n_threads=THREADS) as sp:
-        prompts = [sp.chat_prompt([{"role": "user", "content": it.turns[0]}]).tokens for it in items]
-    llm = open_llama(target_path)
-    refs = [greedy(llm, p, N_TOKENS) for p in prompts]
-    yield [(f"{it.source}#{it.index}", p, r) for it, p, r in zip(items, prompts, refs)], llm
-    llm.close()
+        assert [list(sp.chat_prompt(m).tokens) for m in msgs] == prompts
+    refs = [llama_refs.greedy(p, N_TOKENS) for p in prompts]
+    return [(f"{it.source}#{it.index}", p, r) for it, p, r in zip(items, prompts, refs)], llama_refs.llm
+
+
+@pytest.fixture(scope="module")
+def bigram_dspark_path(target_path, cases, tmp_path_factory):
+    """A random DSpark draft whose Markov head proposes the target's own continuations: one slot per
+    successor token (rank 256), every fifth bigram left random."""
+    cases, _ = cases
+    path = tmp_path_factory.mktemp("lossless") / "bigram-dspark.gguf"
+    make_test_draft(target_path, path, kind="dspark", markov_rank=256, seed=0)
+    assert plant_markov_bigrams(path, [list(p[-1:]) + list(r) for _, p, r in cases], drop_every=5) > 100
+    return str(path)
 
 
 def _run_all(sp: Speculator, cases, llm, make_proposer=None):
-    failures, totals = [], {"drafted": 0, "accepted": 0, "cycles": 0, "near_ties": 0}
+    failures, totals, per_prompt = [], {"drafted": 0, "accepted": 0, "cycles": 0, "near_ties": 0}, []
     for name, prompt, ref in cases:
         if make_proposer is not None:
             sp.decoder.proposer = make_proposer(prompt, ref)
         done = sp.generate(prompt, N_TOKENS)
         for k in totals:
             totals[k] += getattr(done.stats, k)
+        per_prompt.append((name, done.stats.drafted, done.stats.accepted))
         if done.tokens != ref:
             failures.append(f"{name}: " + explain_mismatch(llm, prompt, done.tokens, ref, TIE_EPS))
-    return failures, totals
+    return failures, totals, per_prompt
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
-def test_random_draft_is_lossless(kind, cases, target_path, dspark_draft_path, dflash_draft_path):
+def test_random_draft_is_lossless(kind, cases, target_path, bigram_dspark_path, dflash_draft_path):
     cases, llm = cases
-    draft = dspark_draft_path if kind == "dspark" else dflash_draft_path
+    draft = bigram_dspark_path if kind == "dspark" else dflash_draft_path
     with Speculator(target_path, draft, n_threads=THREADS, n_max=7) as sp:
         assert sp.draft.meta.kind == kind
-        failures, totals = _run_all(sp, cases, llm)
+        failures, totals, per_prompt = _run_all(sp, cases, llm)
     print(f"\n{kind}: {len(cases)} prompts x {N_TOKENS} tokens, {totals}")
     assert totals["drafted"] > 0, "the draft never proposed anything: speculation did not run"
     assert not failures, "\n".join(failures)
+    if kind == "dspark":
+        # the planted bigrams: every prompt has accepted drafts and rejected ones
+        assert all(0 < acc < dr for _, dr, acc in per_prompt), per_prompt
 
 
 def test_oracle_is_lossless_with_partial_acceptance(cases, target_path):
@@ -63,7 +82,7 @@ def test_oracle_is_lossless_with_partial_acceptance(cases, target_path):
     with Speculator(target_path, n_threads=THREADS) as sp:
         def oracle(prompt, ref):
             return OracleProposer(list(prompt) + ref, sp.target.n_vocab, p_error=0.6, seed=len(prompt))
-        failures, totals = _run_all(sp, cases, llm, oracle)
+        failures, totals, _ = _run_all(sp, cases, llm, oracle)
     print(f"\noracle: {len(cases)} prompts x {N_TOKENS} tokens, {totals}")
     # the oracle must have exercised long accepted runs and rejections alike
     assert totals["accepted"] > totals["cycles"] * 2
