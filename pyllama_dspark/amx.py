@@ -1,13 +1,14 @@
-"""llama.cpp's AMX weight repacking crashes once layer-input capture is on (Sapphire Rapids class CPUs).
+"""llama.cpp's AMX weight repacking crashes on this commit (Sapphire Rapids class CPUs).
 
-At the llama.cpp commit vendored in llama-cpp-python 0.3.36, a target whose weights were repacked
-into the CPU's AMX buffer type segfaults in ``ggml_backend_amx_mul_mat`` on the first decode after
-``llama_set_embeddings_layer_inp`` (the capture DSpark reads) is enabled; the same model decodes
-fine without capture (upstream: ggml-org/llama.cpp#20824, closed without a fix).  On a CPU with AMX
-this package therefore loads models without the extra (repacked) buffer types, as llama-server's
-``--no-repack`` does, and does the same for ``llama_cpp.Llama`` models loaded after it is imported,
-so a draft can be attached to them.  A ``Llama`` loaded before that, with repacked weights, is
-refused with a clear error instead of a crash.  Nothing changes on CPUs without AMX.
+At the llama.cpp commit vendored in llama-cpp-python 0.3.36, a model whose weights were repacked
+into the CPU's AMX buffer type segfaults in ``ggml_backend_amx_mul_mat``: on every decode of a
+target once ``llama_set_embeddings_layer_inp`` (the capture DSpark reads) is on, and on multi-token
+decodes of a plain ``llama_cpp.Llama`` too (upstream: ggml-org/llama.cpp#20824, closed without a
+fix).  On a CPU with AMX this package therefore loads models without the extra (repacked) buffer
+types, as llama-server's ``--no-repack`` does, and does the same for ``llama_cpp.Llama`` models
+loaded after it is imported.  A ``Llama`` loaded before that, with repacked weights, is refused
+(when a draft is attached to it) with a clear error instead of a crash.  Nothing changes on CPUs
+without AMX.
 """
 
 from __future__ import annotations
