@@ -187,7 +187,7 @@ def row_scans(vocabs, repeats, rank=32):
             w.write_kv_data_to_file()
             w.write_tensors_to_file()
             w.close()
-            with MarkovHead(path, n_threads=2) as m:
+            with MarkovHead(path, n_threads=1) as m:   # as the drafter opens it
                 t_mk = timed(lambda: m.bias_w1([5, 17]), repeats)
         print(f"{v:>7} {t_shim:16.3f} {t_np:10.3f} {t_mk:26.3f}")
 

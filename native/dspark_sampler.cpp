@@ -50,8 +50,8 @@ struct cut {
 
 typedef float   f4 __attribute__((vector_size(16)));
 typedef float   f8 __attribute__((vector_size(32)));
+typedef double  d2 __attribute__((vector_size(16)));
 typedef double  d4 __attribute__((vector_size(32)));
-typedef double  d8 __attribute__((vector_size(64)));
 typedef uint64_t u8x2 __attribute__((vector_size(16)));
 typedef uint64_t u8x4 __attribute__((vector_size(32)));
 
@@ -76,7 +76,31 @@ struct K {
     static DSPARK_INLINE void store(float * p, V v) { std::memcpy(p, &v, sizeof(v)); }
     static DSPARK_INLINE V splat(float x) { return V{} + x; }
     using VU = typename std::conditional<sizeof(V) == 32, u8x4, u8x2>::type;
-    using VD = typename std::conditional<sizeof(V) == 32, d8, d4>::type;
+    // doubles at the native width (half the lanes of V: a wider generic vector would be split
+    // through memory by the compiler)
+    using VD = typename std::conditional<sizeof(V) == 32, d4, d2>::type;
+    static constexpr int LD = L / 2;
+    static DSPARK_INLINE VD lo_d(V v) {
+        if constexpr (L == 8) {
+            return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), VD);
+        } else {
+            return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1), VD);
+        }
+    }
+    static DSPARK_INLINE VD hi_d(V v) {
+        if constexpr (L == 8) {
+            return __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), VD);
+        } else {
+            return __builtin_convertvector(__builtin_shufflevector(v, v, 2, 3), VD);
+        }
+    }
+    static DSPARK_INLINE VD widen_sum(V v) { return lo_d(v) + hi_d(v); }
+    static DSPARK_INLINE VD load_d(const double * p) {
+        VD v;
+        std::memcpy(&v, p, sizeof(v));
+        return v;
+    }
+    static DSPARK_INLINE void store_d(double * p, VD v) { std::memcpy(p, &v, sizeof(v)); }
     static DSPARK_INLINE bool any(VI m) {
         const VU u = (VU) m;
         uint64_t a = 0;
@@ -150,8 +174,71 @@ struct K {
     static constexpr int64_t kChunk = 16 * L;
     static DSPARK_INLINE double hsum(VD a) {
         double t = 0.0;
-        for (int j = 0; j < L; ++j) t += a[j];
+        for (int j = 0; j < LD; ++j) t += a[j];
         return t;
+    }
+
+    // The largest and second-largest values of x[0..n-1] (a repeated maximum is its own second;
+    // NaN ignored; -inf when absent) and the first index of the largest: one pass, then a search
+    // that stops at the first block holding it.
+    static DSPARK_INLINE int64_t top2(const float * x, int64_t n, float * first, float * second) {
+        constexpr int U = 4;  // independent (max, second) pairs: the compare-select chains overlap
+        V       m1[U], m2[U];
+        for (int u = 0; u < U; ++u) m1[u] = m2[u] = splat(-INFINITY);
+        int64_t i = 0;
+        for (; i + U * L <= n; i += U * L) {
+            for (int u = 0; u < U; ++u) {
+                const V v  = load(x + i + u * L);
+                const V lo = v > m1[u] ? m1[u] : v;
+                m2[u]      = lo > m2[u] ? lo : m2[u];
+                m1[u]      = v > m1[u] ? v : m1[u];
+            }
+        }
+        for (; i + L <= n; i += L) {
+            const V v  = load(x + i);
+            const V lo = v > m1[0] ? m1[0] : v;
+            m2[0]      = lo > m2[0] ? lo : m2[0];
+            m1[0]      = v > m1[0] ? v : m1[0];
+        }
+        for (int u = 1; u < U; ++u) {  // merge pairs: the larger max; the best of the rest
+            const V lo = m1[u] > m1[0] ? m1[0] : m1[u];
+            const V hi = m1[u] > m1[0] ? m1[u] : m1[0];
+            V       s2 = m2[u] > m2[0] ? m2[u] : m2[0];
+            s2         = lo > s2 ? lo : s2;
+            m1[0]      = hi;
+            m2[0]      = s2;
+        }
+        const V m1v = m1[0], m2v = m2[0];
+        float a = -INFINITY, b = -INFINITY;
+        for (int j = 0; j < L; ++j) {
+            const float u = m1v[j], w = m2v[j];
+            if (u > a) {
+                b = a > b ? a : b;
+                a = u;
+            } else if (u > b) {
+                b = u;
+            }
+            if (w > b) b = w;
+        }
+        for (; i < n; ++i) {
+            const float v = x[i];
+            if (v > a) {
+                b = a;
+                a = v;
+            } else if (v > b) {
+                b = v;
+            }
+        }
+        *first  = a;
+        *second = b;
+        int64_t k = 0;
+        for (; k + L <= n; k += L) {
+            if (any(load(x + k) == splat(a))) break;
+        }
+        for (; k < n; ++k) {
+            if (x[k] == a) return k;
+        }
+        return 0;  // every value NaN / -inf
     }
 
     // e[i] = exp(x[i] - m), returns their sum
@@ -167,7 +254,7 @@ struct K {
                 store(e + i, v);
                 acc += v;
             }
-            accd += __builtin_convertvector(acc, VD);
+            accd += widen_sum(acc);
         }
         double total = hsum(accd);
         for (; i < n; ++i) {
@@ -214,8 +301,8 @@ struct K {
                     cnt[j] -= gt;
                 }
             }
-            for (int j = 0; j < 8; ++j) accd[j] += __builtin_convertvector(acc[j], VD);
-            totd += __builtin_convertvector(tot, VD);
+            for (int j = 0; j < 8; ++j) accd[j] += widen_sum(acc[j]);
+            totd += widen_sum(tot);
         }
         double total = hsum(totd);
         for (int j = 0; j < 8; ++j) {
@@ -256,7 +343,7 @@ struct K {
             V             acc = splat(0.0f);
             const int64_t end = std::min<int64_t>(nv, i + kChunk);
             for (; i < end; i += L) acc += load(x + i) >= vt ? load(e + i) : splat(0.0f);
-            accd += __builtin_convertvector(acc, VD);
+            accd += widen_sum(acc);
         }
         double total = hsum(accd);
         for (; i < n; ++i) total += x[i] >= t ? e[i] : 0.0f;
@@ -328,12 +415,13 @@ struct K {
             const VI keep = ge & (v >= splat(tmin)) & ((v > splat(c.v)) | ((v == splat(c.v)) & (id <= c.id_v)));
             V        ev   = exp_neg(v / temp - mt);
             ev            = keep ? ev : splat(0.0f);
-            const VD vp   = __builtin_convertvector(ev, VD);
-            acc += vp;  // the kept weights as written, summed in double
+            const VD plo  = lo_d(ev), phi = hi_d(ev);
+            acc += plo + phi;  // the kept weights as written, summed in double
             if (all(ev > splat(0.0f)) && r + L <= cap) {  // the whole block is kept
                 const VI vid = id;
                 std::memcpy(ids + r, &vid, sizeof(vid));
-                std::memcpy(probs + r, &vp, sizeof(vp));
+                store_d(probs + r, plo);
+                store_d(probs + r + LD, phi);
                 r += L;
                 continue;
             }
@@ -362,14 +450,25 @@ struct K {
     }
 
     static DSPARK_INLINE double sum(const double * p, int64_t n) {
+        VD      a = VD{}, b = VD{}, c = VD{}, d = VD{};
+        int64_t i = 0;
+        for (; i + 4 * LD <= n; i += 4 * LD) {
+            a += load_d(p + i);
+            b += load_d(p + i + LD);
+            c += load_d(p + i + 2 * LD);
+            d += load_d(p + i + 3 * LD);
+        }
+        double t = hsum((a + b) + (c + d));
+        for (; i < n; ++i) t += p[i];
+        return t;
+    }
+    static DSPARK_INLINE double sum(const float * p, int64_t n) {  // pairs in float, then double lanes
         VD      a = VD{}, b = VD{};
         int64_t i = 0;
         for (; i + 2 * L <= n; i += 2 * L) {
-            VD u, w;
-            std::memcpy(&u, p + i, sizeof(u));
-            std::memcpy(&w, p + i + L, sizeof(w));
-            a += u;
-            b += w;
+            const V v = load(p + i) + load(p + i + L);
+            a += lo_d(v);
+            b += hi_d(v);
         }
         double t = hsum(a + b);
         for (; i < n; ++i) t += p[i];
@@ -378,20 +477,16 @@ struct K {
 
     static DSPARK_INLINE void scale(double * p, int64_t n, double f) {
         int64_t i = 0;
-        for (; i + L <= n; i += L) {
-            VD v;
-            std::memcpy(&v, p + i, sizeof(v));
-            v *= f;
-            std::memcpy(p + i, &v, sizeof(v));
-        }
+        for (; i + LD <= n; i += LD) store_d(p + i, load_d(p + i) * f);
         for (; i < n; ++i) p[i] *= f;
     }
 
     // inverse-CDF index: the first j whose running sum (blocks of 256 summed first, then the
-    // entries of the block the target falls in) exceeds u * total; n - 1 when rounding leaves none,
-    // -1 when the weights do not sum to a positive finite number
+    // entries of the block the target falls in) exceeds u * total; when rounding leaves none, the
+    // last positive weight; -1 when the weights do not sum to a positive finite number
     static constexpr int64_t kBlock = 256;
-    static DSPARK_INLINE int64_t sample(const double * p, int64_t n, double u) {
+    template <class T>
+    static DSPARK_INLINE int64_t sample(const T * p, int64_t n, double u) {
         const int64_t nb    = n / kBlock;
         double        total = sum(p, nb * kBlock);
         for (int64_t i = nb * kBlock; i < n; ++i) total += p[i];
@@ -408,7 +503,73 @@ struct K {
             c += p[i];
             if (c > target) return i;
         }
-        return n - 1;
+        int64_t i = n - 1;
+        while (i > 0 && !(p[i] > 0)) --i;
+        return i;
+    }
+    static DSPARK_INLINE int64_t sample_f64(const double * p, int64_t n, double u) { return sample(p, n, u); }
+    static DSPARK_INLINE int64_t sample_f32(const float * p, int64_t n, double u) { return sample(p, n, u); }
+
+    // Dense output: probs[i] for every id (0 where not kept; kept as in emit), normalized; returns
+    // the number kept.  One pass writing the weights, one scaling them.  exp((x - max) / T): the
+    // same as llama.cpp's exp(x / T - max / T) to float rounding.
+    static DSPARK_INLINE int32_t emit_dense(const float * x, int64_t n, const cut & c, float tmin, float m,
+                                            float temp, float * probs) {
+        const float   cv = c.v, inv_t = 1.0f / temp;
+        const int32_t cid = c.id_v;
+        const float   lb  = std::max(tmin, cv);
+        const bool    all_kept = !(lb > -INFINITY);
+        VD            acc  = VD{};
+        VI            kept = VI{};
+        VI            lane;
+        for (int j = 0; j < L; ++j) lane[j] = j;
+        int64_t i = 0;
+        const int64_t nv = n - n % L;
+        while (i < nv) {  // float sums over chunks of 16 blocks, then double lanes
+            V             accf = splat(0.0f);
+            const int64_t end  = std::min<int64_t>(nv, i + kChunk);
+            if (all_kept) {  // every finite logit (exp(-inf) is 0)
+                for (; i < end; i += L) {
+                    const V ev = exp_neg((load(x + i) - m) * inv_t);
+                    store(probs + i, ev);
+                    accf += ev;
+                    kept -= ev > splat(0.0f);
+                }
+            } else {
+                for (; i < end; i += L) {
+                    const V  v  = load(x + i);
+                    const VI ge = v >= splat(lb);
+                    if (!any(ge)) {
+                        store(probs + i, splat(0.0f));
+                        continue;
+                    }
+                    const VI id   = lane + (int32_t) i;
+                    const VI keep = ge & (v >= splat(tmin)) & ((v > splat(cv)) | ((v == splat(cv)) & (id <= cid)));
+                    const V  ev   = keep ? exp_neg((v - m) * inv_t) : splat(0.0f);
+                    store(probs + i, ev);
+                    accf += ev;
+                    kept -= ev > splat(0.0f);
+                }
+            }
+            acc += widen_sum(accf);
+        }
+        double  total = hsum(acc);
+        int64_t r     = 0;
+        for (int j = 0; j < L; ++j) r += kept[j];
+        for (; i < n; ++i) {
+            const float v = x[i];
+            float       ev = 0.0f;
+            if (v >= tmin && (v > cv || (v == cv && (int32_t) i <= cid))) ev = exp_neg((v - m) * inv_t);
+            probs[i] = ev;
+            total += ev;
+            r += ev > 0.0f;
+        }
+        if (r == 0) return 0;
+        const float f = (float) (1.0 / total);
+        int64_t     k = 0;
+        for (; k + L <= n; k += L) store(probs + k, load(probs + k) * f);
+        for (; k < n; ++k) probs[k] *= f;
+        return (int32_t) r;
     }
 };
 
@@ -416,6 +577,7 @@ struct K {
 
 #define DSPARK_KERNELS(X)                                                                                      \
     X(float, vmax, (const float * x, int64_t n), (x, n))                                                     \
+    X(int64_t, vtop2, (const float * x, int64_t n, float * first, float * second), (x, n, first, second))      \
     X(double, vexp_mass8, (const float * x, int64_t n, float m, float * e, const float * t, double * mass,    \
                            int64_t * count), (x, n, m, e, t, mass, count))                                     \
     X(void, vmass8, (const float * x, const float * e, int64_t n, const float * t, double * mass,            \
@@ -428,16 +590,23 @@ struct K {
       (const float * x, int64_t n, const cut & c, float tmin, float m, float temp, int32_t * ids,            \
        double * probs, int32_t cap),                                                                          \
       (x, n, c, tmin, m, temp, ids, probs, cap))                                                            \
-    X(int64_t, sample_index, (const double * p, int64_t n, double u), (p, n, u))
+    X(int64_t, sample_f64, (const double * p, int64_t n, double u), (p, n, u))                                \
+    X(int64_t, sample_f32, (const float * p, int64_t n, double u), (p, n, u))                                 \
+    X(int32_t, emit_dense_row,                                                                                \
+      (const float * x, int64_t n, const cut & c, float tmin, float m, float temp, float * probs),          \
+      (x, n, c, tmin, m, temp, probs))
 
 #define DSPARK_KMAP_vmax vmax
+#define DSPARK_KMAP_vtop2 top2
 #define DSPARK_KMAP_vexp_mass8 exp_mass8
 #define DSPARK_KMAP_vmass8 mass8
 #define DSPARK_KMAP_vmass_ge mass_ge
 #define DSPARK_KMAP_vcollect collect
 #define DSPARK_KMAP_top_k_scan top_k
 #define DSPARK_KMAP_emit_row emit
-#define DSPARK_KMAP_sample_index sample
+#define DSPARK_KMAP_sample_f64 sample_f64
+#define DSPARK_KMAP_sample_f32 sample_f32
+#define DSPARK_KMAP_emit_dense_row emit_dense
 #define DSPARK_CAT_(a, b) a##b
 #define DSPARK_CAT(a, b) DSPARK_CAT_(a, b)
 
@@ -585,9 +754,11 @@ cut top_p_full(const float * x, const float * e, int64_t n, float m, double tota
     return c;
 }
 
+// The chain; the result goes sparse to out_ids / out_probs (cap entries) or, when dense is not
+// null, to dense[0..n_vocab-1] (float, zeros outside the kept set).
 int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params & P, const int32_t * window,
               int32_t n_window, const int32_t * banned, int32_t n_banned, int32_t * out_ids, double * out_probs,
-              int32_t cap) {
+              int32_t cap, float * dense = nullptr) {
     scratch &     s = g_s;
     const float * x = row_in;
     const int64_t n = n_vocab;
@@ -622,9 +793,14 @@ int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params &
     if (!(m > -INFINITY)) return fail(DSPARK_E_INVALID, "no finite logit survives the sampler chain");
 
     if (P.temperature <= 0.0f) {  // greedy: the first maximum
-        if (cap < 1) return fail(DSPARK_E_INVALID, "output capacity %d < 1", cap);
         int64_t i = 0;
         while (!(x[i] == m)) ++i;
+        if (dense) {
+            std::fill(dense, dense + n, 0.0f);
+            dense[i] = 1.0f;
+            return 1;
+        }
+        if (cap < 1) return fail(DSPARK_E_INVALID, "output capacity %d < 1", cap);
         out_ids[0]   = (int32_t) i;
         out_probs[0] = 1.0;
         return 1;
@@ -636,7 +812,8 @@ int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params &
 
     int32_t r;
     if (!top_k && !top_p) {
-        r = emit_row(x, n, cut{}, tmin, m, P.temperature, out_ids, out_probs, cap);
+        r = dense ? emit_dense_row(x, n, cut{}, tmin, m, P.temperature, dense)
+                  : emit_row(x, n, cut{}, tmin, m, P.temperature, out_ids, out_probs, cap);
     } else if (!top_k) {
         // top_p over the whole row; when min_p alone already cuts above top_p's prefix, no sort at all
         s.e.resize((size_t) n);
@@ -652,7 +829,8 @@ int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params &
             need_cut = vmass_ge(x, s.e.data(), n, tmin) >= (double) P.top_p * total;
         }
         if (need_cut) c = top_p_full(x, s.e.data(), n, m, total, (double) P.top_p, t0, mass0, count0);
-        r = emit_row(x, n, c, tmin, m, P.temperature, out_ids, out_probs, cap);
+        r = dense ? emit_dense_row(x, n, c, tmin, m, P.temperature, dense)
+                  : emit_row(x, n, c, tmin, m, P.temperature, out_ids, out_probs, cap);
     } else {
         // top_k: the k candidates, sorted; top_p / min_p / softmax on them
         top_k_scan(x, n, P.top_k, s.cands);
@@ -682,16 +860,25 @@ int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params &
         const float mt    = m / P.temperature;
         double      total = 0.0;
         r                 = 0;
+        if (dense) std::fill(dense, dense + n, 0.0f);
         for (const cand & c : s.cands) {
             const float ev = exp_neg(c.x / P.temperature - mt);
             if (!(ev > 0.0f)) continue;
-            if (r >= cap) return fail(DSPARK_E_INVALID, "output capacity %d too small", cap);
-            out_ids[r]   = c.id;
-            out_probs[r] = ev;
+            if (dense) {
+                dense[c.id] = ev;
+            } else {
+                if (r >= cap) return fail(DSPARK_E_INVALID, "output capacity %d too small", cap);
+                out_ids[r]   = c.id;
+                out_probs[r] = ev;
+            }
             total += ev;
             ++r;
         }
-        for (int32_t i = 0; i < r; ++i) out_probs[i] /= total;
+        if (dense) {
+            for (const cand & c : s.cands) dense[c.id] = (float) (dense[c.id] / total);
+        } else {
+            for (int32_t i = 0; i < r; ++i) out_probs[i] /= total;
+        }
     }
     if (r < 0) return fail(DSPARK_E_INVALID, "output capacity %d too small (n_vocab %d always suffices)", cap, n_vocab);
     if (r == 0) return fail(DSPARK_E_INVALID, "no finite logit survives the sampler chain");
@@ -700,48 +887,77 @@ int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params &
 
 // argmax and top-2 gap of one row: the first maximum, then the largest value at any other index
 void argmax_row(const float * x, int64_t n, int32_t * id, float * gap) {
-    const float m = vmax(x, n);
-    int64_t     i = 0;
-    while (i < n && !(x[i] == m)) ++i;
-    if (i == n) i = 0;  // every value NaN / -inf
-    *id = (int32_t) i;
-    if (gap) {
-        const float a = vmax(x, i);
-        const float b = vmax(x + i + 1, n - i - 1);
-        *gap          = m - std::max(a, b);
-    }
+    float a, b;
+    *id = (int32_t) vtop2(x, n, &a, &b);
+    if (gap) *gap = a - b;
 }
 
 }  // namespace
 
 // ---- C entry points --------------------------------------------------------------------------------
 
+namespace {
+int32_t check_chain_args(const float * logits, int32_t n_vocab, const dspark_chain_params * params,
+                         const int32_t * window, int32_t n_window, const int32_t * banned, int32_t n_banned) {
+    if (!logits || !params) return fail(DSPARK_E_INVALID, "null argument");
+    if (n_vocab <= 0) return fail(DSPARK_E_INVALID, "n_vocab %d must be > 0", n_vocab);
+    if (n_window < 0 || (n_window > 0 && !window)) return fail(DSPARK_E_INVALID, "bad penalty window");
+    if (n_banned < 0 || (n_banned > 0 && !banned)) return fail(DSPARK_E_INVALID, "bad banned list");
+    const dspark_chain_params & P = *params;
+    if (!std::isfinite(P.temperature) || !std::isfinite(P.top_p) || !std::isfinite(P.min_p) ||
+        !std::isfinite(P.repeat_penalty) || !std::isfinite(P.frequency_penalty) || !std::isfinite(P.presence_penalty)) {
+        return fail(DSPARK_E_INVALID, "sampler parameters must be finite");
+    }
+    if (P.top_p < 0.0f || P.top_p > 1.0f) return fail(DSPARK_E_INVALID, "top_p %g outside [0, 1]", (double) P.top_p);
+    if (P.min_p < 0.0f || P.min_p > 1.0f) return fail(DSPARK_E_INVALID, "min_p %g outside [0, 1]", (double) P.min_p);
+    if (!(P.repeat_penalty > 0.0f)) return fail(DSPARK_E_INVALID, "repeat_penalty %g must be > 0", (double) P.repeat_penalty);
+    for (int32_t i = 0; i < n_window; ++i) {
+        if (window[i] < 0 || window[i] >= n_vocab) return fail(DSPARK_E_INVALID, "penalty window token %d out of vocab (%d)", window[i], n_vocab);
+    }
+    for (int32_t i = 0; i < n_banned; ++i) {
+        if (banned[i] < 0 || banned[i] >= n_vocab) return fail(DSPARK_E_INVALID, "banned token %d out of vocab (%d)", banned[i], n_vocab);
+    }
+    return DSPARK_OK;
+}
+}  // namespace
+
 extern "C" int32_t dspark_chain_dist(const float * logits, int32_t n_vocab, const dspark_chain_params * params,
                                      const int32_t * window, int32_t n_window, const int32_t * banned,
                                      int32_t n_banned, int32_t * out_ids, double * out_probs, int32_t cap) {
     return dspark::guard(__func__, [&]() -> int32_t {
-        if (!logits || !params || !out_ids || !out_probs) return fail(DSPARK_E_INVALID, "null argument");
-        if (n_vocab <= 0) return fail(DSPARK_E_INVALID, "n_vocab %d must be > 0", n_vocab);
+        const int32_t rc = check_chain_args(logits, n_vocab, params, window, n_window, banned, n_banned);
+        if (rc != DSPARK_OK) return rc;
+        if (!out_ids || !out_probs) return fail(DSPARK_E_INVALID, "null argument");
         if (cap <= 0) return fail(DSPARK_E_INVALID, "output capacity %d must be > 0", cap);
-        if (n_window < 0 || (n_window > 0 && !window)) return fail(DSPARK_E_INVALID, "bad penalty window");
-        if (n_banned < 0 || (n_banned > 0 && !banned)) return fail(DSPARK_E_INVALID, "bad banned list");
-        const dspark_chain_params & P = *params;
-        if (!std::isfinite(P.temperature) || !std::isfinite(P.top_p) || !std::isfinite(P.min_p) ||
-            !std::isfinite(P.repeat_penalty) || !std::isfinite(P.frequency_penalty) || !std::isfinite(P.presence_penalty)) {
-            return fail(DSPARK_E_INVALID, "sampler parameters must be finite");
-        }
-        if (P.top_p < 0.0f || P.top_p > 1.0f) return fail(DSPARK_E_INVALID, "top_p %g outside [0, 1]", (double) P.top_p);
-        if (P.min_p < 0.0f || P.min_p > 1.0f) return fail(DSPARK_E_INVALID, "min_p %g outside [0, 1]", (double) P.min_p);
-        if (!(P.repeat_penalty > 0.0f)) return fail(DSPARK_E_INVALID, "repeat_penalty %g must be > 0", (double) P.repeat_penalty);
-        for (int32_t i = 0; i < n_window; ++i) {
-            if (window[i] < 0 || window[i] >= n_vocab) return fail(DSPARK_E_INVALID, "penalty window token %d out of vocab (%d)", window[i], n_vocab);
-        }
-        for (int32_t i = 0; i < n_banned; ++i) {
-            if (banned[i] < 0 || banned[i] >= n_vocab) return fail(DSPARK_E_INVALID, "banned token %d out of vocab (%d)", banned[i], n_vocab);
-        }
-        const int32_t r = chain(logits, n_vocab, P, window, n_window, banned, n_banned, out_ids, out_probs, cap);
+        const int32_t r = chain(logits, n_vocab, *params, window, n_window, banned, n_banned, out_ids, out_probs, cap);
         if (r > 0) ok();
         return r;
+    });
+}
+
+extern "C" int32_t dspark_chain_dense(const float * logits, int32_t n_vocab, const dspark_chain_params * params,
+                                      const int32_t * window, int32_t n_window, const int32_t * banned,
+                                      int32_t n_banned, float * out_probs) {
+    return dspark::guard(__func__, [&]() -> int32_t {
+        const int32_t rc = check_chain_args(logits, n_vocab, params, window, n_window, banned, n_banned);
+        if (rc != DSPARK_OK) return rc;
+        if (!out_probs) return fail(DSPARK_E_INVALID, "null argument");
+        const int32_t r = chain(logits, n_vocab, *params, window, n_window, banned, n_banned, nullptr, nullptr, 0,
+                                out_probs);
+        if (r == 0) return fail(DSPARK_E_INVALID, "no finite logit survives the sampler chain");
+        if (r > 0) ok();
+        return r;
+    });
+}
+
+extern "C" int32_t dspark_sample_cdf_f32(const float * probs, int32_t n, double u) {
+    return dspark::guard(__func__, [&]() -> int32_t {
+        if (!probs || n <= 0) return fail(DSPARK_E_INVALID, "bad argument (n %d)", n);
+        if (!(u >= 0.0 && u < 1.0)) return fail(DSPARK_E_INVALID, "u %g outside [0, 1)", u);
+        const int32_t j = (int32_t) sample_f32(probs, n, u);
+        if (j < 0) return fail(DSPARK_E_INVALID, "weights must be finite, >= 0, with a positive sum");
+        ok();
+        return j;
     });
 }
 
@@ -749,7 +965,7 @@ extern "C" int32_t dspark_sample_cdf(const double * probs, int32_t n, double u) 
     return dspark::guard(__func__, [&]() -> int32_t {
         if (!probs || n <= 0) return fail(DSPARK_E_INVALID, "bad argument (n %d)", n);
         if (!(u >= 0.0 && u < 1.0)) return fail(DSPARK_E_INVALID, "u %g outside [0, 1)", u);
-        const int32_t j = (int32_t) sample_index(probs, n, u);
+        const int32_t j = (int32_t) sample_f64(probs, n, u);
         if (j < 0) return fail(DSPARK_E_INVALID, "weights must be finite, >= 0, with a positive sum");
         ok();
         return j;

@@ -96,11 +96,18 @@ typedef struct dspark_chain_params {
 DSPARK_API int32_t dspark_chain_dist(const float * logits, int32_t n_vocab, const dspark_chain_params * params,
                                      const int32_t * window, int32_t n_window, const int32_t * banned,
                                      int32_t n_banned, int32_t * out_ids, double * out_probs, int32_t cap);
+// The same distribution dense: out_probs[0..n_vocab-1] (float) for every token id, 0 outside the kept
+// set; returns the number kept (>= 1) or a negative status.  For chains that keep most of the
+// vocabulary (filters off): no ids to write, half the bytes of a double.
+DSPARK_API int32_t dspark_chain_dense(const float * logits, int32_t n_vocab, const dspark_chain_params * params,
+                                      const int32_t * window, int32_t n_window, const int32_t * banned,
+                                      int32_t n_banned, float * out_probs);
 // Inverse-CDF draw from weights probs[0..n-1] (>= 0, positive sum), u in [0, 1): the first index
-// whose running sum exceeds u * total (n - 1 when rounding leaves none); the running sums add whole
-// blocks of 256 first, so the last bits can differ from a sequential cumsum.  Returns the index or
-// a negative status.
+// whose running sum exceeds u * total (when rounding leaves none, the last positive weight); the
+// running sums add whole blocks of 256 first, so the last bits can differ from a sequential cumsum.
+// Returns the index or a negative status.
 DSPARK_API int32_t dspark_sample_cdf(const double * probs, int32_t n, double u);
+DSPARK_API int32_t dspark_sample_cdf_f32(const float * probs, int32_t n, double u);
 
 // ---------------------------------------------------------------------------------------------
 // Draft: DFlash / DSpark draft context (created by the caller with ctx_other = target context).

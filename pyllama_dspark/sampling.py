@@ -167,7 +167,7 @@ def _native():
 def _native_chain():
     """The shim's ctypes module when it has the C sampler chain, else False."""
     n = _native()
-    return n if n and n.chain_dist is not None else False
+    return n if n and n.chain_dist is not None and n.chain_dense is not None else False
 
 
 def _top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
@@ -201,7 +201,9 @@ def _top_p_keep(l: np.ndarray, p: float) -> np.ndarray:
 
 
 class Dist:
-    """A distribution over the vocabulary kept sparse: ``ids`` (ascending) and their ``probs``.
+    """A distribution over the vocabulary kept sparse: ``ids`` (ascending) and their ``probs``
+    (float64; float32 for a whole-vocabulary row from the shim, where ``ids`` is every id and some
+    ``probs`` may be 0).
 
     Indexing by a token id gives its probability; ``np.asarray(dist)`` the dense float64 vector,
     so a Dist can stand wherever a probability vector is expected."""
@@ -243,19 +245,27 @@ class Dist:
         return d if dtype is None else d.astype(dtype)
 
     def sample(self, u: float) -> int:
-        """Inverse-CDF draw in ascending id order (the same index for the same u on any path)."""
+        """Inverse-CDF draw in ascending id order: the first id whose running probability exceeds
+        u * total (the shim's blockwise sums above 512 ids, numpy's cumsum below; zero entries are
+        never drawn)."""
         n = self.ids.size
         if n == 1:
             return int(self.ids[0])
         nat = _native_chain()
-        if nat and n > 512 and self.probs.dtype == np.float64 and self.probs.flags.c_contiguous:
-            j = nat.sample_cdf(nat.ptr_f64(self.probs), n, float(u))
+        pr = self.probs
+        if nat and n > 512 and pr.flags.c_contiguous and pr.dtype in (np.float64, np.float32):
+            if pr.dtype == np.float32:
+                j = nat.sample_cdf_f32(nat.ptr_f32(pr), n, float(u))
+            else:
+                j = nat.sample_cdf(nat.ptr_f64(pr), n, float(u))
             if j < 0:
                 raise ValueError(f"cannot sample: {nat.error_message()}")
             return int(self.ids[j])
-        c = np.cumsum(self.probs)
+        c = np.cumsum(pr, dtype=np.float64)
         j = int(np.searchsorted(c, u * c[-1], side="right"))
-        return int(self.ids[min(j, n - 1)])
+        if j >= n:   # rounding: the last id with a positive probability
+            j = int(np.flatnonzero(pr)[-1])
+        return int(self.ids[j])
 
 
 def _row(logits) -> np.ndarray:
@@ -274,6 +284,19 @@ def _ids_i32(a, n_vocab: int, what: str) -> Optional[np.ndarray]:
     if out.min() < 0 or out.max() >= n_vocab:
         raise ValueError(f"{what} token ids must be in 0..{n_vocab - 1}")
     return out
+
+
+_ARANGE: dict = {}
+
+
+def _all_ids(n: int) -> np.ndarray:
+    """0..n-1 as int32, shared and read-only (the ids of a whole-vocabulary Dist)."""
+    a = _ARANGE.get(n)
+    if a is None:
+        a = np.arange(n, dtype=np.int32)
+        a.flags.writeable = False
+        _ARANGE[n] = a
+    return a
 
 
 class _Scratch(threading.local):
@@ -295,8 +318,25 @@ class _Scratch(threading.local):
             self.pool.append(pair)
         return pair
 
+    def take_dense(self, n: int) -> np.ndarray:
+        dense = self.__dict__.setdefault("dense", [])
+        for a in dense:
+            # free: referenced by the pool's list, the loop variable and getrefcount's argument only
+            if a.size == n and sys.getrefcount(a) <= 3:
+                return a
+        a = np.empty(n, dtype=np.float32)
+        if len(dense) < 64:
+            dense.append(a)
+        return a
+
 
 _scratch = _Scratch()
+
+
+def _keeps_everything(params: SamplingParams, n: int) -> bool:
+    """No filter: every finite logit is kept (the dense result pays)."""
+    return (not params.is_greedy and (params.top_k <= 0 or params.top_k >= n) and params.top_p >= 1.0
+            and params.min_p <= 0.0)
 
 
 def _chain_native(nat, x: np.ndarray, params: SamplingParams, window, banned, cparams=None) -> Dist:
@@ -305,11 +345,16 @@ def _chain_native(nat, x: np.ndarray, params: SamplingParams, window, banned, cp
     b = _ids_i32(banned, n, "banned")
     if cparams is None:
         cparams = _c_params(nat, params)
+    wp, wn = (nat.ptr_i32(w), w.size) if w is not None else (None, 0)
+    bp, bn = (nat.ptr_i32(b), b.size) if b is not None else (None, 0)
+    if n > 4096 and _keeps_everything(params, n):
+        probs = _scratch.take_dense(n)
+        r = nat.chain_dense(nat.ptr_f32(x), n, cparams, wp, wn, bp, bn, nat.ptr_f32(probs))
+        if r <= 0:
+            raise ValueError(f"sampler chain: {nat.error_message()}")
+        return Dist(_all_ids(n), probs, n)
     ids, probs = _scratch.take(n)
-    r = nat.chain_dist(nat.ptr_f32(x), n, cparams,
-                       nat.ptr_i32(w) if w is not None else None, 0 if w is None else w.size,
-                       nat.ptr_i32(b) if b is not None else None, 0 if b is None else b.size,
-                       nat.ptr_i32(ids), nat.ptr_f64(probs), ids.size)
+    r = nat.chain_dist(nat.ptr_f32(x), n, cparams, wp, wn, bp, bn, nat.ptr_i32(ids), nat.ptr_f64(probs), ids.size)
     if r <= 0:
         raise ValueError(f"sampler chain: {nat.error_message()}")
     if r > n // 16:

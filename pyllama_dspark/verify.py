@@ -50,8 +50,19 @@ def residual(p, q):
     only, so no vocabulary-sized row is built.  A dense p gives a dense vector.  Both draw the same
     token for the same uniform: the support in ascending id order, zeros skipped."""
     if isinstance(p, Dist):
-        qa = q.at(p.ids) if isinstance(q, Dist) else np.asarray(q, dtype=np.float64)[p.ids]
-        r = np.maximum(p.probs - qa, 0.0)
+        r = p.probs.astype(np.float64)   # a copy
+        if isinstance(q, Dist):
+            # q's ids inside p's support (the lookup runs over the smaller side when q is small)
+            if q.ids.size < p.ids.size:
+                j = np.searchsorted(p.ids, q.ids)
+                jc = np.minimum(j, p.ids.size - 1)
+                hit = p.ids[jc] == q.ids
+                r[jc[hit]] -= q.probs[hit]
+            else:
+                r -= q.at(p.ids)
+        else:
+            r -= np.asarray(q, dtype=np.float64)[p.ids]
+        np.maximum(r, 0.0, out=r)
         if not r.sum() > 0.0:
             return p
         nz = r > 0.0

@@ -97,8 +97,14 @@ def test_chain_matches_llama_cpp(v):
     for pname, params in PARAMS.items():
         for rname, row in rows.items():
             smp = TokenSampler(params.with_seed(0), hist, banned=banned)
-            ours = smp.probs(row)
-            assert ours.ids.dtype.kind == "i" and np.all(np.diff(ours.ids) > 0) and abs(ours.probs.sum() - 1) < 1e-9
+            d = smp.probs(row)
+            assert d.ids.dtype.kind == "i" and np.all(np.diff(d.ids) > 0)
+            # float64 probabilities, or float32 over the whole vocabulary (filters off), zeros included
+            assert abs(d.probs.sum(dtype=np.float64) - 1) < (1e-9 if d.probs.dtype == np.float64 else 1e-6)
+            if d.probs.dtype == np.float32:
+                assert d.ids.size == v and pname == "off-T1"
+            nz = d.probs > 0
+            ours = Dist(d.ids[nz], d.probs[nz].astype(np.float64), v)
             biased = row.copy()
             biased[banned] = -np.inf
             ref = LlamaChain(params, v, hist)
@@ -190,6 +196,26 @@ def test_draws_are_the_inverse_cdf(n):
     for u in rng.random(300):
         j = min(int(np.searchsorted(c, u * c[-1], side="right")), n - 1)
         assert d.sample(u) == ids[j]
+
+
+@pytest.mark.parametrize("n", [300, 5000])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_zero_weights_are_never_drawn(n, dtype):
+    """A whole-vocabulary row keeps zeros (banned / cut ids): no u draws one, not even where the
+    running sum's rounding falls short of u * total at the very end."""
+    rng = np.random.default_rng(n)
+    p = rng.random(n).astype(dtype)
+    p[::3] = 0
+    p[-5:] = 0
+    p /= p.sum(dtype=np.float64)
+    d = Dist(np.arange(n, dtype=np.int32), p.astype(dtype), n)
+    for u in np.concatenate([rng.random(500), [0.0, 1.0 - 1e-16, np.nextafter(1.0, 0.0)]]):
+        assert p[d.sample(u)] > 0
+    with_banned = TokenSampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3),
+                               banned=np.arange(0, 5000, 2))
+    row = rng.normal(0, 1, 5000).astype(np.float32)
+    q = with_banned.probs(row)
+    assert all(with_banned.sample(q) % 2 == 1 for _ in range(300))
 
 
 def test_sparse_rows_accept_exactly_like_dense_rows():
