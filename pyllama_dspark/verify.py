@@ -52,8 +52,11 @@ def residual(p, q):
     if isinstance(p, Dist):
         r = p.probs.astype(np.float64)   # a copy
         if isinstance(q, Dist):
-            # q's ids inside p's support (the lookup runs over the smaller side when q is small)
-            if q.ids.size < p.ids.size:
+            # q's ids inside p's support (the lookup runs over the smaller side when q is small);
+            # two whole-vocabulary rows (every id, ascending) line up as they are
+            if q.ids.size == p.ids.size == p.n_vocab:
+                r -= q.probs
+            elif q.ids.size < p.ids.size:
                 j = np.searchsorted(p.ids, q.ids)
                 jc = np.minimum(j, p.ids.size - 1)
                 hit = p.ids[jc] == q.ids

@@ -239,6 +239,11 @@ def test_sparse_rows_accept_exactly_like_dense_rows():
         assert np.array_equal(np.asarray(residual(sp, sq)), residual(p, q))
     one = Dist.one_hot(4, 10)
     assert np.asarray(residual(Dist.one_hot(4, 10), one)).tolist() == np.asarray(one).tolist()
+    # whole-vocabulary rows (the shim's float32 dense form) against sparse and dense ones
+    ids = np.arange(v, dtype=np.int32)
+    wp, wq = Dist(ids, p.astype(np.float32), v), Dist(ids, q.astype(np.float32), v)
+    for a, b in ((wp, wq), (wp, sq), (sp, wq)):
+        np.testing.assert_allclose(np.asarray(residual(a, b)), residual(np.asarray(a), np.asarray(b)), atol=1e-12)
 
 
 def test_sparse_single_position_emits_p():
