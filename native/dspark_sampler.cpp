@@ -55,13 +55,21 @@ typedef double  d4 __attribute__((vector_size(32)));
 typedef uint64_t u8x2 __attribute__((vector_size(16)));
 typedef uint64_t u8x4 __attribute__((vector_size(32)));
 
-// exp(x) for x <= 0 (x = logit - max): relative error ~2e-7; 0 below -87.3 (and for -inf / NaN).
-// Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, degree-7 Taylor polynomial, 2^n from the bits.
+// exp(x) for x <= 0 (x = logit - max): relative error ~1.1e-7 in float (2e-9 in the polynomial's
+// coefficients); 0 below -87.3 (and for -inf / NaN).  Cody-Waite reduction x = n ln2 + r,
+// |r| <= ln2/2, a degree-6 polynomial fitted here for relative error on that interval (iteratively
+// reweighted least squares), 2^n from the bits.
 constexpr float kExpLo = -87.3f;
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693359375f;  // 9 significant bits: n * kLn2Hi is exact
 constexpr float kLn2Lo = -2.12194440e-4f;
 constexpr float kRound = 12582912.0f;   // 1.5 * 2^23: (v + kRound) - kRound rounds to nearest
+constexpr int   kFirst = 8;  // thresholds of the first (fused with exp) top-p bracketing pass
+constexpr float kC2    = 0.49999991059303284f;
+constexpr float kC3    = 0.1666642129421234f;
+constexpr float kC4    = 0.04166822507977486f;
+constexpr float kC5    = 0.008374778553843498f;
+constexpr float kC6    = 0.0013836706057190895f;
 
 template <class V>
 struct K {
@@ -122,12 +130,11 @@ struct K {
             const float n    = (xc * kLog2e + kRound) - kRound;
             float       r    = xc - n * kLn2Hi;
             r                = r - n * kLn2Lo;
-            float p = 1.0f / 5040;
-            p = p * r + 1.0f / 720;
-            p = p * r + 1.0f / 120;
-            p = p * r + 1.0f / 24;
-            p = p * r + 1.0f / 6;
-            p = p * r + 0.5f;
+            float p = kC6;
+            p = p * r + kC5;
+            p = p * r + kC4;
+            p = p * r + kC3;
+            p = p * r + kC2;
             p = p * r + 1.0f;
             p = p * r + 1.0f;
             int32_t bits = ((int32_t) n + 127) << 23;
@@ -140,17 +147,34 @@ struct K {
             const V  n    = (xc * kLog2e + kRound) - kRound;
             V        r    = xc - n * kLn2Hi;
             r             = r - n * kLn2Lo;
-            V p = splat(1.0f / 5040);
-            p = p * r + 1.0f / 720;
-            p = p * r + 1.0f / 120;
-            p = p * r + 1.0f / 24;
-            p = p * r + 1.0f / 6;
-            p = p * r + 0.5f;
+            V p = splat(kC6);
+            p = p * r + kC5;
+            p = p * r + kC4;
+            p = p * r + kC3;
+            p = p * r + kC2;
             p = p * r + 1.0f;
             p = p * r + 1.0f;
             const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
             return zero ? splat(0.0f) : p * (V) bits;
         }
+    }
+
+    // exp(x) for masses only: x clamped at -87.3 instead of a zero select (two operations less;
+    // a -inf logit weighs 1.6e-38 there, nothing next to the max's 1)
+    static DSPARK_INLINE V exp_mass(V x) {
+        const V xc = x >= splat(kExpLo) ? x : splat(kExpLo);
+        const V n  = (xc * kLog2e + kRound) - kRound;
+        V       r  = xc - n * kLn2Hi;
+        r          = r - n * kLn2Lo;
+        V p = splat(kC6);
+        p = p * r + kC5;
+        p = p * r + kC4;
+        p = p * r + kC3;
+        p = p * r + kC2;
+        p = p * r + 1.0f;
+        p = p * r + 1.0f;
+        const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+        return p * (V) bits;
     }
 
     // max of x[0..n-1] (NaN ignored; -inf when none is larger)
@@ -264,16 +288,16 @@ struct K {
         return total;
     }
 
-    // mass[j] = sum of e[i] and count[j] = number of i over x[i] > t[j], j = 0..7 (one pass).
+    // mass[j] = sum of e[i] and count[j] = number of i over x[i] > t[j], j < NT (one pass).
     // With_exp: e[i] = exp(x[i] - m) is computed and stored on the way, and their total returned.
-    template <bool with_exp>
+    template <bool with_exp, int NT>
     static DSPARK_INLINE double mass8_impl(const float * x, float * e, int64_t n, float m, const float * t,
                                            double * mass, int64_t * count) {
-        V  th[8];
-        VD accd[8];
-        VI cnt[8];
+        V  th[NT];
+        VD accd[NT];
+        VI cnt[NT];
         VD totd = VD{};
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < NT; ++j) {
             th[j]   = splat(t[j]);
             accd[j] = VD{};
             cnt[j]  = VI{};
@@ -281,31 +305,31 @@ struct K {
         int64_t       i  = 0;
         const int64_t nv = n - n % L;
         while (i < nv) {
-            V acc[8];
+            V acc[NT];
             V tot = splat(0.0f);
-            for (int j = 0; j < 8; ++j) acc[j] = splat(0.0f);
+            for (int j = 0; j < NT; ++j) acc[j] = splat(0.0f);
             const int64_t end = std::min<int64_t>(nv, i + kChunk);
             for (; i < end; i += L) {
                 const V v = load(x + i);
                 V       ev;
                 if constexpr (with_exp) {
-                    ev = exp_neg(v - m);
+                    ev = exp_mass(v - m);
                     store(e + i, ev);
                     tot += ev;
                 } else {
                     ev = load(e + i);
                 }
-                for (int j = 0; j < 8; ++j) {
+                for (int j = 0; j < NT; ++j) {
                     const VI gt = v > th[j];
                     acc[j] += gt ? ev : splat(0.0f);
                     cnt[j] -= gt;
                 }
             }
-            for (int j = 0; j < 8; ++j) accd[j] += widen_sum(acc[j]);
+            for (int j = 0; j < NT; ++j) accd[j] += widen_sum(acc[j]);
             totd += widen_sum(tot);
         }
         double total = hsum(totd);
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < NT; ++j) {
             mass[j]  = hsum(accd[j]);
             count[j] = 0;
             for (int l = 0; l < L; ++l) count[j] += cnt[j][l];
@@ -315,7 +339,7 @@ struct K {
                 e[i] = exp_neg(x[i] - m);
                 total += e[i];
             }
-            for (int j = 0; j < 8; ++j) {
+            for (int j = 0; j < NT; ++j) {
                 if (x[i] > t[j]) {
                     mass[j] += e[i];
                     count[j] += 1;
@@ -326,11 +350,11 @@ struct K {
     }
     static DSPARK_INLINE void mass8(const float * x, const float * e, int64_t n, const float * t, double * mass,
                                     int64_t * count) {
-        mass8_impl<false>(x, const_cast<float *>(e), n, 0.0f, t, mass, count);
+        mass8_impl<false, 8>(x, const_cast<float *>(e), n, 0.0f, t, mass, count);
     }
     static DSPARK_INLINE double exp_mass8(const float * x, int64_t n, float m, float * e, const float * t,
                                           double * mass, int64_t * count) {
-        return mass8_impl<true>(x, e, n, m, t, mass, count);
+        return mass8_impl<true, kFirst>(x, e, n, m, t, mass, count);
     }
 
     // mass of x >= t
@@ -638,22 +662,24 @@ struct scratch {
     std::vector<cand>    cands;
     std::vector<int32_t> idx, idx2;
     std::vector<float>   bx, be;  // gathered band values / exps
+    std::vector<int32_t> list;    // ids with x > lo of the last top_p_full, ascending
+    bool                 list_valid = false;
     std::vector<int32_t> win;
 };
 
 thread_local scratch g_s;
 
-// The eight thresholds of the first bracketing pass (logits below the max).
+// The thresholds of the first bracketing pass (logits below the max).
 void first_thresholds(float m, float * t) {
     // spaced ~x1.45 where top-p 0.9 .. 0.95 cuts model-like rows (the bracket around the cut then
     // holds hundreds to a few thousand tokens even in a 262k vocabulary)
-    static const float d[8] = { 0.5f, 1.0f, 2.0f, 3.0f, 4.5f, 6.5f, 9.5f, 14.0f };
-    for (int j = 0; j < 8; ++j) t[j] = m - d[j];
+    static const float d[kFirst] = { 0.5f, 1.0f, 2.0f, 3.0f, 4.5f, 6.5f, 9.5f, 14.0f };
+    for (int j = 0; j < kFirst; ++j) t[j] = m - d[j];
 }
 
 // top_p over the whole row x[0..n-1] (e = exp(x - max), total their sum): the smallest prefix in
 // candidate order whose mass reaches p * total.  Brackets the cut with passes over the row (mass and
-// count above eight thresholds each: first at fixed distances below the max -- that pass is fused
+// count above several thresholds each: first at fixed distances below the max -- that pass is fused
 // with the exp pass, mass0/count0 -- then evenly inside the bracket) until it holds at most 64k
 // candidates, gathers those and goes on inside them until a few thousand are left to sort.
 cut top_p_full(const float * x, const float * e, int64_t n, float m, double total, double p, const float * t0,
@@ -669,8 +695,10 @@ cut top_p_full(const float * x, const float * e, int64_t n, float m, double tota
         float   t[8];
         double  mass[8];
         int64_t count[8];
+        int     nt = 8;
         if (pass == 0) {
-            for (int j = 0; j < 8; ++j) {
+            nt = kFirst;
+            for (int j = 0; j < kFirst; ++j) {
                 t[j]     = t0[j];
                 mass[j]  = mass0[j];
                 count[j] = count0[j];
@@ -682,20 +710,31 @@ cut top_p_full(const float * x, const float * e, int64_t n, float m, double tota
             vmass8(x, e, n, t, mass, count);
         }
         int j = 0;
-        while (j < 8 && !(mass[j] >= target)) ++j;
+        while (j < nt && !(mass[j] >= target)) ++j;
         if (j > 0) {
             hi      = t[j - 1];
             above   = mass[j - 1];
             n_above = count[j - 1];
         }
-        if (j < 8) {
+        if (j < nt) {
             lo      = t[j];
             n_gt_lo = count[j];
         }
         if (n_gt_lo - n_above <= 65536) break;
     }
+    // the candidates above lo, in id order, when few: the kept set is among them, so the output
+    // needs no second scan of the row (s.list_valid); the bracket (lo, hi] is taken from them
+    s.list_valid = n_gt_lo <= 65536;
     s.idx.clear();
-    vcollect(x, n, lo, hi, s.idx);
+    if (s.list_valid) {
+        s.list.clear();
+        vcollect(x, n, lo, INFINITY, s.list);
+        for (int32_t i : s.list) {
+            if (x[i] <= hi) s.idx.push_back(i);
+        }
+    } else {
+        vcollect(x, n, lo, hi, s.idx);
+    }
     // refine inside the gathered bracket
     for (int iter = 0; iter < 32 && s.idx.size() > 4096; ++iter) {
         const size_t nb = s.idx.size();
@@ -732,26 +771,69 @@ cut top_p_full(const float * x, const float * e, int64_t n, float m, double tota
     }
     s.cands.clear();
     for (int32_t i : s.idx) s.cands.push_back({ x[i], i });
-    std::sort(s.cands.begin(), s.cands.end(), before);
-    double cum = above;
-    cut    c;
-    for (const cand & k : s.cands) {
-        cum += e[k.id];
+    // the cut: the first candidate (in candidate order) where the running mass from `above` reaches
+    // the target.  Quickselect on mass: partition around a middle element, keep the side the cut
+    // is on, until a few are left to sort and walk.
+    cand * lo_p = s.cands.data();
+    cand * hi_p = s.cands.data() + s.cands.size();
+    double cum  = above;
+    while (hi_p - lo_p > 64) {
+        cand * mid = lo_p + (hi_p - lo_p) / 2;
+        std::nth_element(lo_p, mid, hi_p, before);
+        double left = 0.0;  // mass of [lo_p, mid]
+        for (cand * k = lo_p; k <= mid; ++k) left += e[k->id];
+        if (cum + left >= target) {
+            hi_p = mid + 1;
+        } else {
+            cum += left;
+            lo_p = mid + 1;
+        }
+    }
+    std::sort(lo_p, hi_p, before);
+    cut c;
+    for (cand * k = lo_p; k < hi_p; ++k) {
+        cum += e[k->id];
         if (cum >= target) {
-            c.v    = k.x;
-            c.id_v = k.id;
+            c.v    = k->x;
+            c.id_v = k->id;
             return c;
         }
     }
     // rounding left the target unreached inside the bracket: keep the bracket and all above it
     if (!s.cands.empty()) {
-        c.v    = s.cands.back().x;
-        c.id_v = s.cands.back().id;
+        const cand * last = &s.cands[0];
+        for (const cand & k : s.cands) {
+            if (before(*last, k)) last = &k;
+        }
+        c.v    = last->x;
+        c.id_v = last->id;
     } else if (hi < INFINITY) {
         c.v    = hi;  // (x > hi) only; nothing equals hi outside the empty bracket
         c.id_v = -1;
     }
     return c;
+}
+
+// The tempered softmax over the kept members of s.list (ids ascending): emit_row without a scan.
+int32_t emit_list(const float * x, const cut & c, float tmin, float m, float temp, int32_t * ids, double * probs,
+                  int32_t cap) {
+    const float mt    = m / temp;
+    int32_t     r     = 0;
+    double      total = 0.0;
+    for (int32_t i : g_s.list) {
+        const float v = x[i];
+        if (!(v >= tmin && (v > c.v || (v == c.v && i <= c.id_v)))) continue;
+        const float ev = exp_neg(v / temp - mt);
+        if (!(ev > 0.0f)) continue;
+        if (r >= cap) return -1;
+        ids[r]   = i;
+        probs[r] = ev;
+        total += ev;
+        ++r;
+    }
+    const double inv = 1.0 / total;
+    for (int32_t j = 0; j < r; ++j) probs[j] *= inv;
+    return r;
 }
 
 // The chain; the result goes sparse to out_ids / out_probs (cap entries) or, when dense is not
@@ -817,9 +899,9 @@ int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params &
     } else if (!top_k) {
         // top_p over the whole row; when min_p alone already cuts above top_p's prefix, no sort at all
         s.e.resize((size_t) n);
-        float        t0[8];
-        double       mass0[8];
-        int64_t      count0[8];
+        float        t0[kFirst];
+        double       mass0[kFirst];
+        int64_t      count0[kFirst];
         first_thresholds(m, t0);
         const double total = vexp_mass8(x, n, m, s.e.data(), t0, mass0, count0);
         cut          c;
@@ -828,9 +910,15 @@ int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params &
             // mass of x >= tmin: min_p's set is the smaller one when it stays below top_p's target
             need_cut = vmass_ge(x, s.e.data(), n, tmin) >= (double) P.top_p * total;
         }
+        s.list_valid = false;
         if (need_cut) c = top_p_full(x, s.e.data(), n, m, total, (double) P.top_p, t0, mass0, count0);
-        r = dense ? emit_dense_row(x, n, c, tmin, m, P.temperature, dense)
-                  : emit_row(x, n, c, tmin, m, P.temperature, out_ids, out_probs, cap);
+        if (dense) {
+            r = emit_dense_row(x, n, c, tmin, m, P.temperature, dense);
+        } else if (s.list_valid) {
+            r = emit_list(x, c, tmin, m, P.temperature, out_ids, out_probs, cap);
+        } else {
+            r = emit_row(x, n, c, tmin, m, P.temperature, out_ids, out_probs, cap);
+        }
     } else {
         // top_k: the k candidates, sorted; top_p / min_p / softmax on them
         top_k_scan(x, n, P.top_k, s.cands);
