@@ -64,7 +64,8 @@ def shipped_draft() -> str:
 
 @pytest.fixture(scope="module")
 def laws(target_path):
-    """prompt -> (tokens, exact law, wrong law, EOG ids, piece bytes per token of either law)."""
+    """prompt -> (tokens, exact law, wrong law, text piece per token of either law: b"" for an
+    end-of-generation token, which ends a completion without adding text)."""
     from llama_cpp import llama_cpp as ll
 
     llm = open_llama(target_path)
