@@ -229,10 +229,9 @@ def target_key(target) -> str:
                        min(AUTO_B_MAX, target.n_batch))
 
 
-def auto_profile(target, echo: Optional[Callable[[str], None]] = None, progress: bool = True) -> Profile:
-    """The cost profile the automatic schedule uses for this target and settings: the file in
-    $PYLLAMA_DSPARK_COST_PROFILE, else the cached one, else measured now (<= ~20 s, a progress bar
-    on stderr) and cached."""
+def known_profile(target) -> Optional[Profile]:
+    """The profile :func:`auto_profile` returns without measuring ($PYLLAMA_DSPARK_COST_PROFILE or
+    the cached one for this target and settings), or None when it would have to measure."""
     env = os.environ.get(PROFILE_ENV)
     if env:
         return load(env)
@@ -245,6 +244,17 @@ def auto_profile(target, echo: Optional[Callable[[str], None]] = None, progress:
                 return prof
         except (ValueError, TypeError, json.JSONDecodeError):
             pass
+    return None
+
+
+def auto_profile(target, echo: Optional[Callable[[str], None]] = None, progress: bool = True) -> Profile:
+    """The cost profile the automatic schedule uses for this target and settings: the file in
+    $PYLLAMA_DSPARK_COST_PROFILE, else the cached one, else measured now (<= ~20 s, a progress bar
+    on stderr) and cached."""
+    prof = known_profile(target)
+    if prof is not None:
+        return prof
+    path = default_path(target_key(target))
     say = echo or (lambda m: print(m, file=sys.stderr, flush=True))
     say(f"pyllama-dspark: measuring this machine's verify cost curve for {os.path.basename(target.path)} "
         f"(target decodes of 1..{min(AUTO_B_MAX, target.n_batch)} rows, once; cached in {path})")

@@ -147,10 +147,14 @@ class DSparkDraftModel(LlamaDraftModel):
             self.draft = Draft(draft_path, self.target, self.settings)
             self.proposer = DraftModelProposer(self.draft)
             self.n_max = clamp_n_max(n_max, self.proposer)
+            from . import costprofile
             from .api import make_schedule
 
+            measures = (schedule == "auto" and cost_profile is None
+                        and costprofile.known_profile(self.target) is None)
             self.policy = make_schedule(self.target, self.draft, schedule, cost_profile, gamma=self.n_max)
-            llm.reset()   # a first-use cost measurement decodes in the Llama's context
+            if measures:
+                llm.reset()   # the first-use cost measurement decoded in the Llama's context
         except BaseException:
             self.target.close()
             raise

@@ -34,8 +34,8 @@ from pyllama_dspark.testing import make_test_draft, plant_markov_bigrams
 pytestmark = pytest.mark.slow
 
 N_PREDICT = 64
-# both sides use the same count; PYLLAMA_DSPARK_PARITY_THREADS=1 on a machine shared with other jobs
-THREADS = int(os.environ.get("PYLLAMA_DSPARK_PARITY_THREADS", "2"))
+# both sides use the same count; PYLLAMA_DSPARK_TEST_THREADS=1 on a machine shared with other jobs
+THREADS = int(os.environ.get("PYLLAMA_DSPARK_TEST_THREADS", "2"))
 
 
 @pytest.fixture(scope="module")
