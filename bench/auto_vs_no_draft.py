@@ -41,7 +41,7 @@ def sampling_for(temp, seed):
     return None if temp == 0 else SamplingParams(temperature=temp, seed=seed)
 
 
-def cell_r1(target, draft, prompts, temp, n, repeats, threads, oracle_refs=None):
+def cell_r1(target, draft, prompts, temp, n, repeats, threads, oracle_refs=None, configs=("none", "auto", "fixed")):
     """R = 1: Speculators (one-sequence engine) for no draft, auto, fixed; tok/s per run."""
     res = {"none": [], "auto": [], "fixed": []}
     idle_ms = []
@@ -53,7 +53,7 @@ def cell_r1(target, draft, prompts, temp, n, repeats, threads, oracle_refs=None)
                 sp.proposer = sp.decoder.proposer = OracleProposer([], plain.target.n_vocab, p_error=0.1)
             auto.decoder.policy = policy_for("auto", has_draft=True, has_confidence=True,
                                              cost_source=costprofile.auto_profile(auto.target), gamma=7)
-        runs = {"none": plain, "auto": auto, "fixed": fixed}
+        runs = {name: sp for name, sp in (("none", plain), ("auto", auto), ("fixed", fixed)) if name in configs}
         for rep in range(repeats):
             for i, p in enumerate(prompts):
                 for name in rotated(list(runs), i + rep):
@@ -75,7 +75,7 @@ def cell_r1(target, draft, prompts, temp, n, repeats, threads, oracle_refs=None)
     return res, idle_ms
 
 
-def cell_r4(target, draft, prompts, temp, n, repeats, threads, R=4):
+def cell_r4(target, draft, prompts, temp, n, repeats, threads, R=4, configs=("none", "auto", "fixed")):
     settings = ContextSettings(n_ctx=1024 * R, n_threads=threads, n_seq_max=R)
     res = {"none": [], "auto": [], "fixed": []}
     t, d, _ = open_models(target, draft, settings)
@@ -86,7 +86,7 @@ def cell_r4(target, draft, prompts, temp, n, repeats, threads, R=4):
         for rep in range(repeats):
             for i in range(len(prompts)):
                 batch = [prompts[(i + j) % len(prompts)] for j in range(R)]
-                for name in rotated(["none", "auto", "fixed"], i + rep):
+                for name in rotated([c for c in ("none", "auto", "fixed") if c in configs], i + rep):
                     bd = BatchDecoder(t, None if name == "none" else d, n_max=7, policy=pols.get(name))
                     smp = [sampling_for(temp, 1000 * rep + 10 * i + j) for j in range(R)]
                     for j in range(R):
@@ -130,6 +130,8 @@ def summarize(label, res, idle_ms=()):
     out = []
     for name in ("none", "fixed", "auto"):
         rows = res[name]
+        if not rows:
+            continue
         tps = statistics.median(x[0] for x in rows)
         tau = statistics.median(x[1] for x in rows)
         ratio = statistics.median(x[0] / base[(x[2], x[3])] for x in rows)
@@ -149,6 +151,8 @@ def main():
     ap.add_argument("-n", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cells", default="capture,r1,r4,oracle")
+    ap.add_argument("--configs", default="none,auto,fixed",
+                    help="what runs in each cell: none (no draft), auto, fixed (llama.cpp's block)")
     a = ap.parse_args()
     target = default_target()
     items = load_prompts()
@@ -162,18 +166,20 @@ def main():
         refs = [sp.generate(p, a.n, ignore_eos=True).tokens for p in prompts]
     drafts = [("shipped", default_draft()), ("random", random_draft_for(target))]
     cells = a.cells.split(",")
+    configs = tuple(a.configs.split(","))
     if "capture" in cells:
         capture_cost(target, default_draft(), a.threads)
     for temp in (0.0, 0.8):
         for dname, dpath in drafts:
             if "r1" in cells:
-                res, idle = cell_r1(target, dpath, prompts, temp, a.n, a.repeats, a.threads)
+                res, idle = cell_r1(target, dpath, prompts, temp, a.n, a.repeats, a.threads, configs=configs)
                 summarize(f"R=1 T={temp} draft={dname}", res, idle)
             if "r4" in cells:
-                res, _ = cell_r4(target, dpath, prompts, temp, a.n, a.repeats, a.threads)
+                res, _ = cell_r4(target, dpath, prompts, temp, a.n, a.repeats, a.threads, configs=configs)
                 summarize(f"R=4 T={temp} draft={dname}", res)
     if "oracle" in cells:
-        res, idle = cell_r1(target, default_draft(), prompts, 0.0, a.n, a.repeats, a.threads, oracle_refs=refs)
+        res, idle = cell_r1(target, default_draft(), prompts, 0.0, a.n, a.repeats, a.threads, oracle_refs=refs,
+                            configs=configs)
         summarize("R=1 T=0 oracle acc 0.9", res, idle)
 
 

@@ -37,6 +37,7 @@ class VerifyPolicy:
     gamma: int = 7
     ema: float = 0.1                                 # running conditional acceptance per position
     probe_every: int = 16                            # re-draft now and then when drafting was skipped
+    probe_budget: float = 0.01                       # at most this share of the plain decoding time
     _acc: np.ndarray = field(default=None, repr=False)
     _skipped: int = 0
     _draft_ms: dict = field(default_factory=dict, repr=False)   # measured draft pass ms per R (EMA)
@@ -48,6 +49,9 @@ class VerifyPolicy:
     _cycles: int = 0
     _verified: int = 0
     _draft_cycles: int = 0
+    _probing: bool = False        # this cycle's draft is a probe: it verifies at least one token
+    _version: int = 0             # bumped whenever an input of want_draft's estimate changes
+    _pays: dict = field(default_factory=dict, repr=False)   # R -> (version, does drafting pay)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -86,6 +90,7 @@ class VerifyPolicy:
             return
         old = self._draft_ms.get(n_requests)
         self._draft_ms[n_requests] = ms if old is None else old + 0.2 * (ms - old)
+        self._version += 1
 
     def draft_estimate(self, n_requests: int) -> Optional[float]:
         """Measured draft pass ms for R blocks (scaled from the nearest measured R), or None (the
@@ -99,27 +104,48 @@ class VerifyPolicy:
 
     # ---- before drafting ----------------------------------------------------------------------
     def want_draft(self, n_requests: int) -> bool:
+        self._probing = False
         if not self.uses_cost:
             return True
         if self.learn_costs and not self._draft_ms:   # one pass to learn what drafting costs here
             return True
-        est = [survival(self._acc)] * max(1, n_requests)
-        if should_draft(est, self.cost, self.draft_estimate(len(est))):
+        if self._pays_now(max(1, n_requests)):
             self._skipped = 0
             self._probe_gap = self.probe_every
             return True
         self._skipped += 1
-        # keep the estimates alive with a probe now and then, backing off while probes keep saying
-        # that drafting does not pay (a probe costs a draft pass)
-        if self.probe_every and self._skipped >= self._probe_gap:
+        # keep the estimates alive with a probe now and then (a draft pass and one verified token),
+        # backing off while probes keep saying that drafting does not pay, and never spending more
+        # than probe_budget of the plain decoding time on them
+        if self.probe_every and self._skipped >= max(self._probe_gap, self._budget_gap(n_requests)):
             self._skipped = 0
             self._probe_gap = min(2 * self._probe_gap, 16 * self.probe_every)
+            self._probing = True
             return True
         return False
+
+    def _budget_gap(self, n_requests: int) -> int:
+        """Plain cycles between probes for the probes to cost <= probe_budget of the decoding time."""
+        r = max(1, n_requests)
+        c = self.cost
+        draft = self.draft_estimate(r)
+        probe = (c.t_draft(r) if draft is None else draft) + c.t_verify(2 * r) - c.t_verify(r)
+        return int(np.ceil(max(0.0, probe) / (max(self.probe_budget, 1e-6) * max(c.t_verify(r), 1e-6))))
+
+    def _pays_now(self, n_requests: int) -> bool:
+        """Algorithm 1 on the running estimates, recomputed only when they changed (a cycle that
+        verified nothing leaves them as they were: not drafting costs no scheduling either)."""
+        hit = self._pays.get(n_requests)
+        if hit is not None and hit[0] == self._version:
+            return hit[1]
+        pays = should_draft([survival(self._acc)] * n_requests, self.cost, self.draft_estimate(n_requests))
+        self._pays[n_requests] = (self._version, pays)
+        return pays
 
     # ---- after drafting -------------------------------------------------------------------------
     def lengths(self, confs: Sequence[Optional[np.ndarray]], n_drafted: Sequence[int]) -> List[int]:
         """Verify lengths per request from the (raw) confidences of its drafted tokens."""
+        probing, self._probing = self._probing, False
         if self.mode == "off" or not any(n_drafted):
             return list(n_drafted)
         out = []
@@ -148,7 +174,10 @@ class VerifyPolicy:
                 continue
             surv.append(survival(self.corrected(self.calibrated(c[:n]))))
         n_blocks = sum(1 for n in n_drafted if n > 0)
-        return schedule(surv, self.cost, drafted=True, draft_ms=self.draft_estimate(n_blocks)).lengths
+        out = schedule(surv, self.cost, drafted=True, draft_ms=self.draft_estimate(n_blocks)).lengths
+        if probing:   # a probe that verified nothing would learn nothing
+            out = [max(1, ell) if n else 0 for ell, n in zip(out, n_drafted)]
+        return list(out)
 
     def corrected(self, conf: np.ndarray) -> np.ndarray:
         """Profiled mode: confidences rescaled per position by the observed acceptance over the
@@ -174,6 +203,7 @@ class VerifyPolicy:
             if k > n_accepted:
                 break
             hit = 1.0 if k < n_accepted else 0.0
+            self._version += 1
             self._n[k] += 1
             rate = max(self.ema, 1.0 / (self._n[k] + 1.0))
             # floored: an estimate at exactly 0 could never be revised by a schedule that only

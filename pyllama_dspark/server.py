@@ -194,19 +194,27 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
 
     async def _complete(request: Request, kind: str):
         req, job, events = await _start(request, kind)
+        loop_time = asyncio.get_running_loop().time
         model = req.model or config.model_id
         if req.stream:
             return EventSourceResponse(_stream(req, job, events, kind, model), sep="\n", ping=15)
         try:
+            next_poll = loop_time() + _DISCONNECT_POLL_S
             while True:
                 try:
-                    ev = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+                    ev = await asyncio.wait_for(events.get(), max(0.0, next_poll - loop_time()))
                 except asyncio.TimeoutError:
+                    ev = None
+                if loop_time() >= next_poll:
+                    # by the clock, not only when no event came: a non-streaming job emits events
+                    # all the time while it decodes
+                    next_poll = loop_time() + _DISCONNECT_POLL_S
                     if await request.is_disconnected():
                         log.info("task %d: client disconnected, cancelling", job.task_id)
                         job.cancel()
                         return JSONResponse(fmt.error_body("client disconnected", "server_error", 499),
                                             status_code=499)
+                if ev is None:
                     continue
                 if isinstance(ev, Done):
                     break

@@ -8,6 +8,7 @@ only the text of an output is known (the server's responses)."""
 from __future__ import annotations
 
 import copy
+import os
 import json
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -17,9 +18,12 @@ from pyllama_dspark.crosscheck import first_divergence, plain_greedy as greedy, 
 
 # like-for-like with our defaults (llama-server's): flash attention on, n_ctx 4096, n_batch 512
 LLAMA_KW = dict(n_ctx=4096, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
-# the shared reference: one thread (the machine is shared; llama-cpp-python's default would use
-# every core for the prompt and half of them for generation)
-REF_THREADS = 1
+# threads of every test's decodes (references and ours alike): CI runs the tests one at a time on 2
+# cores; PYLLAMA_DSPARK_TEST_THREADS=1 on a machine shared with other jobs, where more threads than
+# free cores make every decode crawl (llama-cpp-python's default would use every core for the
+# prompt and half of them for generation)
+TEST_THREADS = int(os.environ.get("PYLLAMA_DSPARK_TEST_THREADS", "2"))
+REF_THREADS = TEST_THREADS
 
 
 def open_llama(path: str):

@@ -6,10 +6,10 @@ from typing import List, Tuple
 
 from llama_cpp import Llama
 
-from greedy_ref import LLAMA_KW
+from greedy_ref import LLAMA_KW, TEST_THREADS
 from pyllama_dspark.prompts import load_prompts
 
-THREADS = 1          # the machine is shared: one thread is far less sensitive to other load
+THREADS = TEST_THREADS
 N_TOKENS = 32
 PER_FILE = 2         # 5 prompt files x 2 = 10 prompts
 DSPARK_KW = dict(n_ctx=LLAMA_KW["n_ctx"], n_batch=LLAMA_KW["n_batch"], n_ubatch=LLAMA_KW["n_ubatch"],

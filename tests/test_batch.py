@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from greedy_ref import greedy, open_llama
+from greedy_ref import greedy, open_llama, TEST_THREADS
 from pyllama_dspark.batch import BatchDecoder, Started
 from pyllama_dspark.handles import ContextSettings, Draft, Target, read_draft_meta
 from pyllama_dspark.oracle import OracleProposer
@@ -13,7 +13,7 @@ from pyllama_dspark.policy import VerifyPolicy
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.schedule import CostModel
 
-THREADS = 2
+THREADS = TEST_THREADS
 R = 3
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from greedy_ref import greedy, open_llama
+from greedy_ref import greedy, open_llama, TEST_THREADS
 from pyllama_dspark.api import Speculator
 from pyllama_dspark.drafter import NoDraft
 from pyllama_dspark.oracle import OracleProposer
 from pyllama_dspark.verify import greedy_accept, greedy_emitted
 
-THREADS = 2
+THREADS = TEST_THREADS
 
 
 # ---- the pure accept rule ----------------------------------------------------------------------

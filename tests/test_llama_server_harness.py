@@ -11,8 +11,10 @@ import os
 
 import pytest
 
+from greedy_ref import TEST_THREADS
+
 N_PREDICT = 32
-THREADS = 2
+THREADS = TEST_THREADS
 PROMPTS = [
     # plain text: 32 tokens of continuation, stopped by n_predict
     ("text", b"The capital of France is Paris. The capital of Germany is", False),

@@ -23,6 +23,8 @@ import os
 
 import pytest
 
+from greedy_ref import TEST_THREADS
+
 import pyllama_dspark
 from pyllama_dspark.api import Speculator
 from pyllama_dspark.dflash_mode import dflash_mode_draft
@@ -34,8 +36,7 @@ from pyllama_dspark.testing import make_test_draft, plant_markov_bigrams
 pytestmark = pytest.mark.slow
 
 N_PREDICT = 64
-# both sides use the same count; PYLLAMA_DSPARK_TEST_THREADS=1 on a machine shared with other jobs
-THREADS = int(os.environ.get("PYLLAMA_DSPARK_TEST_THREADS", "2"))
+THREADS = TEST_THREADS
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from greedy_ref import greedy, open_llama
+from greedy_ref import greedy, open_llama, TEST_THREADS
 from llama_sampler_ref import LlamaChain
 from pyllama_dspark.api import Speculator
 from pyllama_dspark.batch import BatchDecoder
@@ -34,7 +34,7 @@ from pyllama_dspark.sampling import SamplingParams
 
 PENALTY = 1.3
 N = 16
-THREADS = 2
+THREADS = TEST_THREADS
 TEXTS = ["List ten fruits: apple, banana,",
          "The cat sat on the mat. The cat sat on the mat. The cat"]
 

@@ -32,13 +32,11 @@ import pytest
 
 import pyllama_dspark
 from block_law import cell_of_text, chi2_cells, chi2_law, exact_law, text_law
-from greedy_ref import open_llama
+from greedy_ref import open_llama, TEST_THREADS
 from pyllama_dspark.sampling import SamplingParams
 from test_sampling_rule import chi2_sf
 
-# 2 (CI runs the tests one at a time); PYLLAMA_DSPARK_TEST_THREADS=1 on a machine shared with other
-# jobs, where more threads than free cores make every decode crawl
-THREADS = int(os.environ.get("PYLLAMA_DSPARK_TEST_THREADS", "2"))
+THREADS = TEST_THREADS
 N_MAX = 7
 DEPTH = 3
 PARAMS = SamplingParams(temperature=0.8, top_k=4, top_p=1.0, min_p=0.0)

@@ -18,9 +18,10 @@ junk tokens: partial acceptance).  One configuration adds repeat/presence penalt
 A negative control runs the same harness with a proposer that reports a q other than the one it
 drew from; the test must reject it (that is what makes the harness able to fail).
 
-Samples: 2000 per random-draft case (a block decode per sample) and 2800 per oracle case (no
-draft decode), 3 x 2000 + 5 x 2800 = 20k in all, ~4 minutes on 2 idle cores;
-``PYLLAMA_DSPARK_E2E_SAMPLES`` scales them (the value is the oracle cases' count).
+Samples: 714 per random-draft case (a block decode per sample) and 1000 per oracle case (no draft
+decode), 3 x 714 + 5 x 1000 = 7.1k in all (the negative control is rejected with 800), ~2 minutes on
+2 idle cores; ``PYLLAMA_DSPARK_E2E_SAMPLES`` scales them (the value is the oracle cases' count).
+The joint law of longer prefixes with whole blocks is test_sampling_blocks.py's.
 """
 
 from __future__ import annotations
@@ -31,16 +32,16 @@ import numpy as np
 import pytest
 from llama_cpp import llama_cpp as ll
 
-from greedy_ref import open_llama
+from greedy_ref import open_llama, TEST_THREADS
 from llama_sampler_ref import LlamaChain
 from pyllama_dspark.api import Speculator
 from pyllama_dspark.oracle import TableOracleProposer
 from pyllama_dspark.sampling import SamplingParams
 from test_sampling_rule import chi2_sf
 
-N_ORACLE = int(os.environ.get("PYLLAMA_DSPARK_E2E_SAMPLES", "2800"))
+N_ORACLE = int(os.environ.get("PYLLAMA_DSPARK_E2E_SAMPLES", "1000"))
 N_DRAFT = max(1, N_ORACLE * 5 // 7)
-THREADS = 2
+THREADS = TEST_THREADS
 PARAMS = {
     "plain": SamplingParams(temperature=1.0, top_k=12, top_p=0.95, min_p=0.02),
     "penalties": SamplingParams(temperature=0.9, top_k=12, top_p=1.0, min_p=0.0, repeat_penalty=1.3,

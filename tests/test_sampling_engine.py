@@ -14,6 +14,8 @@ import json
 
 import numpy as np
 import pytest
+
+from greedy_ref import TEST_THREADS
 from click.testing import CliRunner
 
 from first_tokens_law import law_check, two_token_law
@@ -21,7 +23,7 @@ from pyllama_dspark.api import Speculator
 from pyllama_dspark.cli import main
 from pyllama_dspark.sampling import SamplingParams
 
-THREADS = 1
+THREADS = TEST_THREADS
 T1 = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05, seed=5)
 PROMPT = "Write one sentence about the moon."
 CLI_PROMPT = "The moon is"     # raw: Llama's greedy continuation runs 16 tokens without EOS

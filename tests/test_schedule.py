@@ -200,7 +200,7 @@ def test_policy_learns_draft_cost_and_acceptance_and_backs_off_probes():
     from pyllama_dspark.policy import VerifyPolicy
 
     linear = CostModel([10.0 * b for b in range(1, 33)], draft_ms=[50.0])
-    pol = VerifyPolicy(mode="profiled", cost=linear, probe_every=4)
+    pol = VerifyPolicy(mode="profiled", cost=linear, probe_every=4, probe_budget=1.0)
     # no measured draft pass for R = 2 yet: one pass is made to learn its cost
     assert pol.want_draft(2)
     pol.observe_draft(2, 3.0)
@@ -213,6 +213,28 @@ def test_policy_learns_draft_cost_and_acceptance_and_backs_off_probes():
     decisions = [pol.want_draft(2) for _ in range(4 + 8 + 16)]
     probes = [i for i, d in enumerate(decisions) if d]
     assert probes == [3, 3 + 8, 3 + 8 + 16]
+
+
+def test_probes_stay_within_their_time_budget_and_verify_a_token():
+    from pyllama_dspark.policy import VerifyPolicy
+
+    # verifying b rows costs 10 + b ms, a draft pass 50 ms (the profile's: learn_costs off)
+    cost = CostModel([10.0 + b for b in range(1, 33)], draft_ms=[50.0])
+    pol = VerifyPolicy(mode="auto", cost=cost, probe_every=4, learn_costs=False)
+    for _ in range(30):     # the first draft is never right
+        pol.update(2, 0)
+    # a probe costs the draft pass plus one more verified row (51 ms); at 1% of 11 ms plain cycles
+    # that is one probe per ceil(51 / 0.11) = 464 cycles (the geometric back-off alone would say 4)
+    decisions = [pol.want_draft(1) for _ in range(928)]
+    assert [i for i, d in enumerate(decisions) if d] == [463, 927]
+    # the probe verifies a draft although the estimates say none pays (else it would learn nothing);
+    # the next cycle is back to the schedule's own decision
+    assert pol.lengths([None], [5]) == [1]
+    assert pol.want_draft(1) is False
+    # evidence that the drafts are right flips the (cached) decision: drafting pays again
+    for _ in range(20):
+        pol.update(7, 7)
+    assert pol.want_draft(1) and pol.lengths([None], [7])[0] >= 4
 
 
 def test_policy_online_correction_of_overconfident_heads():
