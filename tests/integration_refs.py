@@ -6,10 +6,10 @@ from typing import List, Tuple
 
 from llama_cpp import Llama
 
-from greedy_ref import LLAMA_KW, TEST_THREADS
+from greedy_ref import LLAMA_KW
 from pyllama_dspark.prompts import load_prompts
 
-THREADS = TEST_THREADS
+THREADS = 1          # both sides (plain Llama and Llama with the plug-in) as validated: see REF_THREADS
 N_TOKENS = 32
 PER_FILE = 2         # 5 prompt files x 2 = 10 prompts
 DSPARK_KW = dict(n_ctx=LLAMA_KW["n_ctx"], n_batch=LLAMA_KW["n_batch"], n_ubatch=LLAMA_KW["n_ubatch"],
