@@ -28,7 +28,10 @@ def __getattr__(name):
     if name in ("DSparkDraftModel", "attach_dspark"):
         from pyllama_dspark.integrations import llama_plugin
         return getattr(llama_plugin, name)
-    if name in ("SpecDecoder", "Stats", "Chunk", "Done"):
-        from pyllama_dspark.decode import engine
-        return getattr(engine, name)
+    if name == "SpecDecoder":
+        from pyllama_dspark.decode.engine import SpecDecoder
+        return SpecDecoder
+    if name in ("Stats", "Chunk", "Done"):
+        from pyllama_dspark.decode import cycle
+        return getattr(cycle, name)
     raise AttributeError(name)

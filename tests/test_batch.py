@@ -195,7 +195,7 @@ def test_batched_streaming_events_and_cancel(target_path, refs):
             if steps == 3:
                 assert bd.cancel(r1) and not bd.cancel(r1)   # frees its slot for the queued one
         assert not bd.cancel(12345)
-        from pyllama_dspark.decode.engine import Chunk, Done
+        from pyllama_dspark.decode.cycle import Chunk, Done
         for rid, ref in ((r0, ref0),):
             evs = events[rid]
             assert isinstance(evs[-1], Done) and all(isinstance(e, Chunk) for e in evs[:-1])
@@ -208,6 +208,6 @@ def test_batched_streaming_events_and_cancel(target_path, refs):
 
 
 def default_draft_path():
-    from pyllama_dspark.cli.main import default_draft
+    from pyllama_dspark.paths import default_draft
 
     return default_draft()

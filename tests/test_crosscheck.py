@@ -138,7 +138,7 @@ def test_greedy_and_cpp_mismatches_are_real_failures(target_path, dspark_draft_p
 def test_crosscheck_reference_handles_a_reduced_vocabulary_draft(target_path, tmp_path):
     """The shipped drafter (own lm_head over a d2t vocabulary, F16 layers): llama.cpp's rows are
     -inf off the draft vocabulary by design, and the reference follows llama.cpp's argmax chain."""
-    from pyllama_dspark.cli.main import default_draft
+    from pyllama_dspark.paths import default_draft
 
     out = tmp_path / "cc.json"
     r = CliRunner().invoke(main, ["crosscheck", "-m", target_path, "-md", default_draft(), "--prompts", _gsm8k(),

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from pyllama_dspark.cli.main import default_draft, default_target
+from pyllama_dspark.paths import default_draft, default_target
 from pyllama_dspark.gguf.info import read_draft_info, read_target_info, validate_pair
 
 

@@ -17,7 +17,7 @@ from integration_refs import (DSPARK_KW, N_TOKENS, chat_cases, content, greedy_c
                               streamed_content)
 from first_tokens_law import law_check, two_token_law
 from pyllama_dspark.integrations.dspark import DSpark
-from pyllama_dspark.decode.engine import Done
+from pyllama_dspark.decode.cycle import Done
 from pyllama_dspark.errors import ClosedError, ContextOverflowError
 from pyllama_dspark.spec.sampling import SamplingParams
 

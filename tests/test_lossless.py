@@ -104,7 +104,7 @@ def test_shipped_trained_drafter_is_lossless_and_accepted(cases, target_path):
 
     Regression guard (not the training target): tau on the first prompt of each benchmark file
     (5 dev prompts), greedy, 128 tokens: measured 1.77, asserted >= 1.65."""
-    from pyllama_dspark.cli.main import default_draft
+    from pyllama_dspark.paths import default_draft
 
     draft = default_draft()
     assert draft is not None, "the package ships no default drafter"

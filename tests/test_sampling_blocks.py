@@ -169,7 +169,7 @@ def test_block_law_single_sequence_engine(target_path, laws):
 
 def test_block_law_batched_decoder(target_path, laws):
     from pyllama_dspark.decode.batch import BatchDecoder
-    from pyllama_dspark.decode.engine import Chunk
+    from pyllama_dspark.decode.cycle import Chunk
     from pyllama_dspark.llama.handles import ContextSettings, Draft, Target, read_draft_meta
     from pyllama_dspark.spec.policy import VerifyPolicy
 

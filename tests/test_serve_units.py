@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pyllama_dspark.serve import openai_format as fmt
-from pyllama_dspark.decode.engine import Done, Stats
+from pyllama_dspark.decode.cycle import Done, Stats
 from pyllama_dspark.serve.oai_request import RequestError, parse_request
 from pyllama_dspark.decode.batch import Started
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool

@@ -8,14 +8,12 @@ import warnings
 
 import click
 
-from pyllama_dspark.cli.common import resolve_draft_arg
+from pyllama_dspark.cli.common import default_target, resolve_draft_arg
 from pyllama_dspark.cli.sched import make_policy, register as _register_sched, with_schedule_options
 from pyllama_dspark.errors import DSparkError
+from pyllama_dspark.paths import default_draft
 
 
-# the default models and the cache live in .paths (re-exported: tests and scripts import them here)
-from pyllama_dspark.cli.common import default_target  # noqa: E402,F401
-from pyllama_dspark.paths import DEFAULT_DRAFT_NAME, cache_dir, default_draft, random_draft_for  # noqa: E402,F401
 
 
 def _fail(e: Exception):
@@ -82,7 +80,7 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
     if n_predict <= 0:
         raise click.BadParameter("must be >= 1", param_hint="-n")
     from pyllama_dspark.decode.api import Speculator
-    from pyllama_dspark.decode.engine import Chunk
+    from pyllama_dspark.decode.cycle import Chunk
 
     target = model or default_target()
     if model is None and draft is None and not no_draft:

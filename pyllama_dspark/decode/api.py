@@ -16,7 +16,8 @@ from typing import Iterator, List, Optional, Sequence, Union
 from pyllama_dspark.spec import costprofile
 from pyllama_dspark.llama.chat import build_chat_prompt
 from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, Proposer
-from pyllama_dspark.decode.engine import Chunk, Done, SpecDecoder
+from pyllama_dspark.decode.engine import SpecDecoder
+from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.llama.models import open_models
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Owned, Target
 from pyllama_dspark.spec.policy import VerifyPolicy, policy_for

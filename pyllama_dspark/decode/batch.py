@@ -31,7 +31,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, Proposer, observe_later
-from pyllama_dspark.decode.engine import Chunk, Done, Stats, _OneHotRows, _propose_sampled, _TargetRows, _TextStream
+from pyllama_dspark.decode.cycle import Chunk, Done, OneHotRows, Stats, TargetRows, TextStream, propose_sampled
 from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.llama.handles import Draft, Target
 from pyllama_dspark.spec.policy import VerifyPolicy
@@ -51,7 +51,7 @@ class _Seq:
     seq_id: int
     prompt: np.ndarray
     max_tokens: int
-    text: _TextStream
+    text: TextStream
     smp: Optional[TokenSampler] = None
     ignore_eos: bool = False
     out: List[int] = field(default_factory=list)
@@ -143,7 +143,7 @@ class BatchDecoder:
             smp = TokenSampler(sampling, toks.tolist(), banned=banned)
         rid = self._next_rid
         self._next_rid += 1
-        s = _Seq(rid, -1, toks, int(max_tokens), _TextStream(self.target, stop), smp=smp, ignore_eos=ignore_eos)
+        s = _Seq(rid, -1, toks, int(max_tokens), TextStream(self.target, stop), smp=smp, ignore_eos=ignore_eos)
         s.stats.seed = None if smp is None else smp.seed
         self._queue.append(s)
         return rid
@@ -295,8 +295,8 @@ class BatchDecoder:
             else:
                 ts = time.perf_counter()
                 dk = np.asarray(d[:k], dtype=np.int32).copy()
-                q_rows = _OneHotRows(dk, tgt.n_vocab) if qs[r] is None else qs[r][:k]
-                n_acc, emitted = speculative_accept(dk, q_rows, _TargetRows(tgt, s.smp, dk, off), s.smp.rng.random, eog)
+                q_rows = OneHotRows(dk, tgt.n_vocab) if qs[r] is None else qs[r][:k]
+                n_acc, emitted = speculative_accept(dk, q_rows, TargetRows(tgt, s.smp, dk, off), s.smp.rng.random, eog)
                 s.smp.accept(emitted)
                 ms_sample[r] = (time.perf_counter() - ts) * 1e3
             s.stats.record(k, n_acc)
@@ -342,7 +342,7 @@ class BatchDecoder:
         R = len(act)
         if not isinstance(p, DraftModelProposer):
             props = [p.propose(s.anchor, s.pos0, self.n_max, s.seq_id) if s.smp is None else
-                     _propose_sampled(p, s.anchor, s.pos0, self.n_max, s.smp, s.seq_id) for s in act]
+                     propose_sampled(p, s.anchor, s.pos0, self.n_max, s.smp, s.seq_id) for s in act]
             return ([np.asarray(q.tokens, dtype=np.int32) for q in props], [q.confidence for q in props],
                     [q.probs for q in props])
         d = p.draft

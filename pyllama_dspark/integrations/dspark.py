@@ -34,7 +34,8 @@ from pyllama_dspark.integrations import openai_dicts as oai
 from pyllama_dspark.decode.api import Speculator, make_schedule
 from pyllama_dspark.llama.chat import chat_formatter
 from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, clamp_n_max
-from pyllama_dspark.decode.engine import Chunk, Done, SpecDecoder
+from pyllama_dspark.decode.engine import SpecDecoder
+from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.llama.handles import BorrowedTarget, Draft, Owned
 from pyllama_dspark.integrations.llama_plugin import borrow_target, close_with_context, llama_ctx, llama_settings

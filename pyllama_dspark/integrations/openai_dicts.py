@@ -18,7 +18,7 @@ import uuid
 from typing import Optional
 
 from pyllama_dspark.decode.timings import llama_timings
-from pyllama_dspark.decode.engine import Stats
+from pyllama_dspark.decode.cycle import Stats
 
 
 def new_completion_id() -> str:

@@ -17,7 +17,7 @@ import threading
 from typing import Dict, Optional
 
 from pyllama_dspark.decode.batch import Started
-from pyllama_dspark.decode.engine import Done
+from pyllama_dspark.decode.cycle import Done
 from pyllama_dspark.serve.slots import Cancelled, Job, JobQueue, _deliver
 from pyllama_dspark.decode.timings import timing_log_lines
 

@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pyllama_dspark.serve import openai_format as fmt
-from pyllama_dspark.decode.engine import Chunk, Done
+from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.serve.oai_request import GenRequest, RequestError, parse_request
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool

@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence
 
-from pyllama_dspark.decode.engine import Done
+from pyllama_dspark.decode.cycle import Done
 from pyllama_dspark.decode.timings import timing_log_lines
 
 log = logging.getLogger("pyllama_dspark.serve.server")
