@@ -27,7 +27,7 @@ from greedy_ref import TEST_THREADS
 
 import pyllama_dspark
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.gguf.dflash_mode import dflash_mode_draft
+from pyllama_dspark.tools.dflash_mode import dflash_mode_draft
 from pyllama_dspark.tools.llama_server import LlamaServer, ensure_llama_server
 from pyllama_dspark.spec.policy import VerifyPolicy
 from pyllama_dspark.prompts import load_prompts

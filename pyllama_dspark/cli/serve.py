@@ -21,7 +21,7 @@ def resolve_draft(target: str, draft, spec_type: str):
     if draft in ("random", "random-dspark", "random-dflash"):
         draft = random_draft_for(target, "dflash" if draft == "random-dflash" else "dspark")
     if draft is not None and spec_type == "draft-dflash":
-        from pyllama_dspark.gguf.dflash_mode import dflash_mode_draft
+        from pyllama_dspark.tools.dflash_mode import dflash_mode_draft
 
         draft = dflash_mode_draft(draft)
     return draft

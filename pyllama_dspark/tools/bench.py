@@ -4,7 +4,7 @@ Configurations (all on the same target, each with its own contexts, loaded once)
 
 * ``none``   -- the target alone (the baseline);
 * ``dflash`` -- the draft in DFlash mode: the same GGUF without the Markov / confidence heads
-  (:func:`~pyllama_dspark.gguf.dflash_mode.dflash_mode_draft`), i.e. plain parallel drafting;
+  (:func:`~pyllama_dspark.tools.dflash_mode.dflash_mode_draft`), i.e. plain parallel drafting;
 * ``dspark`` -- the draft as it is, with the default automatic verification schedule (drafts
   verified only where it pays on this machine's cost curve);
 * ``dspark-fixed`` -- the draft as it is, every drafted token verified: llama.cpp's fixed block
@@ -92,7 +92,7 @@ def draft_for(config: str, draft: Optional[str]) -> Optional[str]:
     if draft is None:
         raise ValueError(f"configuration {config!r} needs a draft")
     if config == "dflash":
-        from pyllama_dspark.gguf.dflash_mode import dflash_mode_draft
+        from pyllama_dspark.tools.dflash_mode import dflash_mode_draft
 
         return dflash_mode_draft(draft)
     if config in ("dspark", "dspark-fixed") or config in SCHEDULED:

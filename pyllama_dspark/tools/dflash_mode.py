@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
 
+from pyllama_dspark import paths
+from pyllama_dspark.gguf.write import write_gguf
+
 DSPARK_TENSOR_PREFIXES = ("markov_", "conf_proj.")
 DSPARK_KEYS = ("dflash.sample_from_anchor", "dflash.has_confidence_head")
-
-
-def default_cache_dir() -> Path:
-    d = Path(os.environ.get("PYLLAMA_DSPARK_CACHE", Path.home() / ".cache" / "pyllama-dspark"))
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def is_dspark_tensor(name: str) -> bool:
@@ -68,36 +64,11 @@ def write_dflash_mode(src: Union[str, os.PathLike], dst: Union[str, os.PathLike]
     arch = bytes(arch_f.parts[arch_f.data[0]]).decode() if arch_f is not None else ""
     if arch != "dflash":
         raise ValueError(f"{src} is not a DFlash/DSpark draft (general.architecture = {arch!r})")
-    dst = os.fspath(dst)
-    out_dir = os.path.dirname(os.path.abspath(dst))
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".dflash-mode-", suffix=".gguf.tmp", dir=out_dir)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, arch)
-        skip = {"general.architecture", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
-        for key in reader.fields:
-            if key in skip or key in DSPARK_KEYS or key.startswith("GGUF."):
-                continue
-            value, vtype, sub = _field(reader, key)
-            writer.add_key_value(key, value, vtype, sub_type=sub)
-        for t in reader.tensors:
-            if is_dspark_tensor(t.name):
-                continue
-            # t.data is shaped as the writer expects it (quantized types: rows of bytes)
-            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, dst)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return dst
+    meta = {key: _field(reader, key) for key in reader.fields
+            if key != "general.architecture" and key not in DSPARK_KEYS and not key.startswith("GGUF.")}
+    # t.data is shaped as the writer expects it (quantized types: rows of bytes)
+    tensors = {t.name: (np.asarray(t.data), t.tensor_type) for t in reader.tensors if not is_dspark_tensor(t.name)}
+    return write_gguf(dst, arch, meta, tensors, tmp_prefix=".dflash-mode-")
 
 
 def dflash_mode_draft(src: Union[str, os.PathLike], cache_dir: Optional[Union[str, os.PathLike]] = None) -> str:
@@ -111,7 +82,7 @@ def dflash_mode_draft(src: Union[str, os.PathLike], cache_dir: Optional[Union[st
     if not any(is_dspark_tensor(t.name) for t in reader.tensors):
         return os.fspath(src)
     del reader
-    d = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    d = Path(cache_dir) if cache_dir is not None else paths.cache_dir()
     d.mkdir(parents=True, exist_ok=True)
     out = d / _cache_name(src)
     if not out.exists():
