@@ -70,7 +70,6 @@ def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max
     except (DSparkError, ValueError, OSError) as e:
         raise click.ClickException(f"the draft does not load: {e}")
     try:
-        sp.n_max = max(1, min(n_max, sp.proposer.max_draft()))
         for w in sp.warnings:
             click.echo(f"warning: {w}", err=True)
         prompt_toks = [(f"{it.source}#{it.index}", sp.chat_prompt([{"role": "user", "content": it.turns[0]}]).tokens)

@@ -43,13 +43,6 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
         if i == 0:
             for w in list(sp.warnings) + [str(c.message) for c in caught]:
                 log.warning("warning: %s", w)
-        if draft is not None:
-            n_max_eff = min(n_max, sp.proposer.max_draft())
-            if n_max_eff < n_max:
-                sp.n_max = n_max_eff
-                if i == 0:
-                    log.warning("requested draft size %d exceeds what the %s draft produces per block; clamping to %d",
-                                n_max, sp.proposer.name, n_max_eff)
         return sp
 
     return SlotPool(factory, n_slots)
@@ -108,7 +101,7 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
 
     def policy_for(sp):   # --schedule ...: one policy per decoder (its running estimates are its own)
         return make_policy(sp, schedule, conf_min, p_survival_min, calibration, profile_path,
-                           gamma=min(n_max, sp.proposer.max_draft()) if sp.draft is not None else n_max)
+                           gamma=sp.n_max)
 
     try:
         draft = resolve_draft(target, draft, spec_type)

@@ -15,7 +15,7 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 from pyllama_dspark.spec import costprofile
 from pyllama_dspark.llama.chat import build_chat_prompt
-from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, Proposer
+from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, Proposer, check_n_max, clamp_n_max
 from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.llama.models import open_models
@@ -46,15 +46,13 @@ class Speculator(Owned):
         fixed block), or a :class:`~.policy.VerifyPolicy`.  ``cost_profile``: the auto schedule's
         cost curve (a profile path, :class:`~.costprofile.Profile` or :class:`~.schedule.CostModel`)
         instead of the cached / measured one."""
-        if int(n_max) <= 0:
-            raise ValueError(f"n_max must be >= 1, got {n_max}")
+        check_n_max(n_max)
         if int(n_seq) <= 0:
             raise ValueError(f"n_seq must be >= 1, got {n_seq}")
         self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
                                         flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, verbose=verbose,
                                         n_seq_max=int(n_seq))
         self.settings.validate()
-        self.n_max = int(n_max)
         # validates the pairing from the files before llama.cpp sees them (it aborts on mismatches)
         self.target, self.draft, self.warnings = open_models(target_path, draft_path, self.settings)
         try:
@@ -62,6 +60,8 @@ class Speculator(Owned):
                 self.proposer: Proposer = proposer or DraftModelProposer(self.draft)
             else:
                 self.proposer = proposer or NoDraft()
+            # clamped once here (a warning, as llama.cpp), not on every stream
+            self.n_max = int(n_max) if isinstance(self.proposer, NoDraft) else clamp_n_max(n_max, self.proposer)
         except BaseException:
             self.target.close()
             raise

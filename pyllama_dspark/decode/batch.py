@@ -30,7 +30,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, Proposer, observe_later
+from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, Proposer, check_n_max, observe_later
 from pyllama_dspark.decode.cycle import Chunk, Done, OneHotRows, Stats, TargetRows, TextStream, propose_sampled
 from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.llama.handles import Draft, Target
@@ -83,9 +83,7 @@ class BatchDecoder:
         self.prop: Optional[Proposer] = proposer if not isinstance(proposer, NoDraft) else None
         self.n_max = 0
         if self.prop is not None:
-            if n_max <= 0:
-                raise ValueError(f"n_max must be >= 1, got {n_max}")
-            self.n_max = min(int(n_max), self.prop.max_draft())
+            self.n_max = min(check_n_max(n_max), self.prop.max_draft())
         self.policy = policy or VerifyPolicy()
         if (self.policy.needs_confidence and isinstance(self.prop, DraftModelProposer)
                 and not self.prop.meta.has_confidence):

@@ -33,7 +33,7 @@ from llama_cpp import llama_chat_format as lcf
 from pyllama_dspark.integrations import openai_dicts as oai
 from pyllama_dspark.decode.api import Speculator, make_schedule
 from pyllama_dspark.llama.chat import chat_formatter
-from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, clamp_n_max
+from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, check_n_max, clamp_n_max
 from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.errors import ContextOverflowError
@@ -94,8 +94,7 @@ class DSpark(Owned):
         ``last_n_tokens_size``.  Closing the DSpark leaves the Llama usable; closing the Llama
         closes the DSpark first."""
         ctx = llama_ctx(llm)
-        if int(n_max) <= 0:
-            raise ValueError(f"n_max must be >= 1, got {n_max}")
+        check_n_max(n_max)
         self = cls.__new__(cls)
         self._sp = None
         if draft_path is not None:

@@ -54,7 +54,7 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp.llama_speculative import LlamaDraftModel
 
 from pyllama_dspark.llama.amx import check_model
-from pyllama_dspark.spec.drafter import DraftModelProposer, clamp_n_max
+from pyllama_dspark.spec.drafter import DraftModelProposer, check_n_max, clamp_n_max
 from pyllama_dspark.errors import ClosedError
 from pyllama_dspark.gguf.info import read_draft_info, read_target_info, validate_pair
 from pyllama_dspark.llama.handles import BorrowedTarget, ContextSettings, Draft
@@ -137,8 +137,7 @@ class DSparkDraftModel(LlamaDraftModel):
     def __init__(self, llm, draft_path: str, *, n_max: int = 7, refill: bool = True, trace: bool = False,
                  schedule="auto", cost_profile=None):
         self._closed = True
-        if int(n_max) <= 0:
-            raise ValueError(f"n_max must be >= 1, got {n_max}")
+        check_n_max(n_max)
         ctx = llama_ctx(llm)
         if isinstance(llm.draft_model, DSparkDraftModel) and not llm.draft_model._closed:
             raise ValueError("this Llama already has a DSpark draft model attached; close() it first")

@@ -265,10 +265,16 @@ def observe_later(prop, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
     (fn or prop.observe)(row0, n, pos0, seq_id)
 
 
-def clamp_n_max(n_max: int, proposer: Proposer) -> int:
-    """Validate n_max and clamp it to what the drafter was trained for (with a warning, as llama.cpp)."""
+def check_n_max(n_max: int) -> int:
+    """The one check of a requested draft size (before any model is opened)."""
     if int(n_max) <= 0:
         raise ValueError(f"n_max must be >= 1, got {n_max}")
+    return int(n_max)
+
+
+def clamp_n_max(n_max: int, proposer: Proposer) -> int:
+    """Validate n_max and clamp it to what the drafter was trained for (with a warning, as llama.cpp)."""
+    check_n_max(n_max)
     limit = proposer.max_draft()
     if isinstance(proposer, NoDraft):
         return 0

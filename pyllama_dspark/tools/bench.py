@@ -163,8 +163,6 @@ def open_configs(target: str, draft: Optional[str], configs: Sequence[str], *, n
                 warnings.simplefilter("ignore")
                 sp = Speculator(target, draft_for(name, draft), n_max=n_max,
                                 schedule="auto" if name == "dspark" else "off", **settings)
-            if name != "none":
-                sp.n_max = max(1, min(n_max, sp.proposer.max_draft()))
             out[name] = sp
     except BaseException:
         for sp in out.values():
