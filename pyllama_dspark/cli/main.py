@@ -8,7 +8,7 @@ import warnings
 
 import click
 
-from pyllama_dspark.cli.common import default_target, resolve_draft_arg
+from pyllama_dspark.cli.common import default_target, resolve_draft_arg, sampling_from_options, sampling_options
 from pyllama_dspark.cli.sched import make_policy, register as _register_sched, with_schedule_options
 from pyllama_dspark.errors import DSparkError
 from pyllama_dspark.paths import default_draft
@@ -35,18 +35,7 @@ def main():
 @click.option("-p", "--prompt", default=None, help="Prompt text (default: read stdin).")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=256, show_default=True, help="Max new tokens.")
 @click.option("--n-max", type=int, default=7, show_default=True, help="Draft tokens per block (clamped to the block size).")
-@click.option("--temp", type=float, default=0.8, show_default=True,
-              help="Temperature; 0 = greedy (exactly the target's greedy output).")
-@click.option("--top-k", "top_k", type=int, default=40, show_default=True, help="Top-k sampling (<= 0: off).")
-@click.option("--top-p", "top_p", type=float, default=0.95, show_default=True, help="Top-p sampling (1.0: off).")
-@click.option("--min-p", "min_p", type=float, default=0.05, show_default=True, help="Min-p sampling (0.0: off).")
-@click.option("-s", "--seed", type=int, default=-1, show_default=True, help="RNG seed (-1: random).")
-@click.option("--repeat-penalty", "repeat_penalty", type=float, default=1.0, show_default=True,
-              help="Repetition penalty over the last --repeat-last-n tokens (1.0: off).")
-@click.option("--repeat-last-n", "repeat_last_n", type=int, default=64, show_default=True,
-              help="Tokens the penalties look back on (0: off, -1: whole sequence).")
-@click.option("--presence-penalty", "presence_penalty", type=float, default=0.0, show_default=True)
-@click.option("--frequency-penalty", "frequency_penalty", type=float, default=0.0, show_default=True)
+@sampling_options
 @click.option("--no-draft", is_flag=True, help="Run the target alone.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, tokens and stats.")
@@ -67,14 +56,8 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
     Lossless: at --temp 0 the output is the target's greedy output; at --temp > 0 it is
     distributed exactly as sampling from the target with llama.cpp's sampler chain (penalties,
     top-k, top-p, min-p, temperature), the defaults being llama.cpp's."""
-    from pyllama_dspark.spec.sampling import SamplingParams
-
-    try:
-        sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                  repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                                  frequency_penalty=frequency_penalty, penalty_last_n=repeat_last_n)
-    except (TypeError, ValueError) as e:
-        raise click.UsageError(f"bad sampling parameter: {e}")
+    sampling = sampling_from_options(temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n,
+                                     presence_penalty, frequency_penalty)
     if n_max <= 0:
         raise click.BadParameter("must be >= 1", param_hint="--n-max")
     if n_predict <= 0:

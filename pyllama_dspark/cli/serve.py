@@ -9,6 +9,7 @@ import warnings
 
 import click
 
+from pyllama_dspark.cli.common import sampling_from_options, sampling_options
 from pyllama_dspark.cli.sched import make_policy, with_schedule_options
 from pyllama_dspark.errors import DSparkError
 
@@ -71,21 +72,19 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
 @click.option("--api-key", default=None, envvar="LLAMA_API_KEY", help="Require 'Authorization: Bearer KEY'.")
 @click.option("-a", "--alias", default=None, help="Model name in /v1/models and responses.")
-@click.option("--temp", "temperature", type=float, default=0.8, show_default=True, help="Default temperature.")
-@click.option("--top-k", type=int, default=40, show_default=True)
-@click.option("--top-p", type=float, default=0.95, show_default=True)
-@click.option("--min-p", type=float, default=0.05, show_default=True)
-@click.option("-s", "--seed", type=int, default=-1, show_default=True, help="Default seed (-1: random).")
+@sampling_options
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
 @with_schedule_options
 def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_ctx, n_batch, n_ubatch, threads, flash_attn,
-          n_gpu_layers, api_key, alias, temperature, top_k, top_p, min_p, seed, verbose, schedule, conf_min,
-          p_survival_min, calibration, profile_path):
-    """OpenAI-compatible server (llama-server's endpoints, timings and draft-acceptance log)."""
+          n_gpu_layers, api_key, alias, temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n,
+          presence_penalty, frequency_penalty, verbose, schedule, conf_min, p_survival_min, calibration,
+          profile_path):
+    """OpenAI-compatible server (llama-server's endpoints, timings and draft-acceptance log); the
+    sampling flags are the defaults of requests that do not set them."""
     try:
         import uvicorn
 
-        from pyllama_dspark.serve.server import LLAMA_SERVER_SAMPLING, ServerConfig, create_app
+        from pyllama_dspark.serve.server import ServerConfig, create_app, sampling_defaults
     except ImportError as e:
         raise click.ClickException(f"serve needs the server extra ({e}): pip install 'pyllama-dspark[server]'")
     from pyllama_dspark.cli.common import default_target
@@ -123,7 +122,8 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
                 raise
     except (DSparkError, ValueError, OSError) as e:
         raise click.ClickException(str(e))
-    defaults = dict(LLAMA_SERVER_SAMPLING, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    defaults = sampling_defaults(sampling_from_options(temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n,
+                                                       presence_penalty, frequency_penalty))
     sp = pool.front
     meta = {"n_ctx": pool.n_ctx, "n_vocab": sp.target.n_vocab, "n_embd": sp.target.n_embd,
             "draft": os.path.basename(draft) if draft else None,

@@ -34,12 +34,21 @@ from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.serve.oai_request import GenRequest, RequestError, parse_request
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
 from pyllama_dspark.decode.timings import llama_timings
+from pyllama_dspark.spec.sampling import SamplingParams
 
 log = logging.getLogger("pyllama_dspark.serve.server")
 
-# llama-server's sampling defaults (common_params_sampling); `serve --temp ...` changes them
-LLAMA_SERVER_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": -1,
-                         "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+def sampling_defaults(p: SamplingParams) -> Dict[str, Any]:
+    """A request's sampling defaults (llama-server's request field names) from ``p``."""
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+            "seed": -1 if p.seed is None else p.seed, "repeat_penalty": p.repeat_penalty,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "penalty_last_n": p.penalty_last_n}
+
+
+# llama-server's sampling defaults (common_params_sampling, the SamplingParams defaults); `serve
+# --temp ...` changes them
+LLAMA_SERVER_SAMPLING = sampling_defaults(SamplingParams())
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -54,13 +63,12 @@ class ServerConfig:
 
 def sampling_for(req: GenRequest, defaults: Dict[str, Any]):
     """SamplingParams for a request (None = plain greedy), or RequestError when the values are invalid."""
-    from pyllama_dspark.spec.sampling import SamplingParams
-
     vals = dict(defaults)
     vals.update(req.sampling)
     if float(vals.get("temperature", 0.0)) <= 0.0:
         # llama.cpp penalizes before its greedy pick: the penalties (only they) still apply at T = 0
-        pen = {k: vals[k] for k in ("repeat_penalty", "presence_penalty", "frequency_penalty") if k in vals}
+        pen = {k: vals[k] for k in ("repeat_penalty", "presence_penalty", "frequency_penalty", "penalty_last_n")
+               if k in vals}
         try:
             greedy = SamplingParams(temperature=0.0, **pen)
         except (TypeError, ValueError) as e:
