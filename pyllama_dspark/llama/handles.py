@@ -77,6 +77,12 @@ class DraftMeta:
     def kind(self) -> str:
         return "dspark" if self.has_markov else "dflash"
 
+    @property
+    def block_offset(self) -> int:
+        """Block row of the first draft: 0 for anchor-first DSpark ([anchor, mask x (k-1)], row i
+        predicts position pos0+1+i), 1 for DFlash and bonus-anchor DSpark ([anchor, mask x k])."""
+        return 0 if (self.has_markov and self.sample_from_anchor) else 1
+
     @classmethod
     def from_native(cls, m: nat.DraftMeta) -> "DraftMeta":
         return cls(

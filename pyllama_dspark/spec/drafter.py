@@ -134,7 +134,7 @@ class DraftModelProposer(Proposer):
         self.conditioning = conditioning
         self._block_sampler = None  # built on the first T > 0 proposal (loads the Markov head)
         self._markov = None
-        self.offset = 0 if (m.has_markov and m.sample_from_anchor) else 1
+        self.offset = m.block_offset
         self._max = max(0, m.block_size - self.offset)
         cap = m.block_size + 1
         self._block = np.full(cap, m.mask_token_id, dtype=np.int32)

@@ -163,7 +163,7 @@ def check_draft_graph(sp, reference, sequence: Sequence[int], positions: Sequenc
             # follow llama.cpp's own argmax chain through the Markov head (like for like)
             prev = None
             if meta.has_markov:
-                beg = 0 if meta.sample_from_anchor else 1
+                beg = meta.block_offset
                 prev = np.full(n_block, -1, dtype=np.int64)
                 prev[beg] = int(seq[p])
                 for i in range(beg + 1, n_block):
