@@ -15,11 +15,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pyllama_dspark.api import Speculator
+from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.paths import default_target, random_draft_for
-from pyllama_dspark.llama_server import LlamaServer, ensure_llama_server
+from pyllama_dspark.tools.llama_server import LlamaServer, ensure_llama_server
 from pyllama_dspark.prompts import load_prompts
-from pyllama_dspark.testing import make_test_draft, plant_markov_bigrams
+from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 
 
 def main():

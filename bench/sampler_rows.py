@@ -33,7 +33,7 @@ import time
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from pyllama_dspark.sampling import SamplingParams, TokenSampler
+from pyllama_dspark.spec.sampling import SamplingParams, TokenSampler
 
 CHAINS = {
     "default (k40 p.95 m.05 T.8)": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1),
@@ -138,8 +138,8 @@ def zipf_row(v, rng):
 
 
 def smollm2_rows():
-    from pyllama_dspark.cli import default_target
-    from pyllama_dspark.handles import ContextSettings, Target
+    from pyllama_dspark.cli.main import default_target
+    from pyllama_dspark.llama.handles import ContextSettings, Target
 
     out = []
     with Target(default_target(), ContextSettings(n_threads=2, n_ctx=512)) as t:
@@ -168,8 +168,8 @@ def row_scans(vocabs, repeats, rank=32):
 
     import gguf
 
-    from pyllama_dspark import _native as nat
-    from pyllama_dspark.handles import MarkovHead
+    from pyllama_dspark.llama import _native as nat
+    from pyllama_dspark.llama.handles import MarkovHead
 
     rng = np.random.default_rng(1)
     print(f"\n{'vocab':>7} {'argmax+gap shim':>16} {'np.argmax':>10} {'Markov bias+W1 (rank %d)' % rank:>26}  ms/row")

@@ -5,30 +5,33 @@ Heavy modules (ctypes, llama.cpp) load lazily: ``from pyllama_dspark import Spec
 
 __version__ = "0.1.0"
 
-from .errors import (  # noqa: F401
+from pyllama_dspark.errors import (  # noqa: F401
     ClosedError, ContextOverflowError, DraftMismatchError, DSparkError, ModelFileError, NativeError,
     UnsupportedArchError,
 )
 
-from .amx import cpu_has_amx as _cpu_has_amx  # noqa: E402
+from pyllama_dspark.llama.amx import cpu_has_amx as _cpu_has_amx  # noqa: E402
 
 if _cpu_has_amx():   # llama.cpp's AMX repacking crashes with a draft's capture: load models without it
-    from .amx import install as _install_amx
+    from pyllama_dspark.llama.amx import install as _install_amx
 
     _install_amx()
 
 
 def __getattr__(name):
     if name == "Speculator":
-        from .api import Speculator
+        from pyllama_dspark.decode.api import Speculator
         return Speculator
     if name == "DSpark":
-        from .dspark import DSpark
+        from pyllama_dspark.integrations.dspark import DSpark
         return DSpark
     if name in ("DSparkDraftModel", "attach_dspark"):
-        from . import llama_plugin
+        from pyllama_dspark.integrations import llama_plugin
         return getattr(llama_plugin, name)
-    if name in ("SpecDecoder", "Stats", "Chunk", "Done"):
-        from . import engine
-        return getattr(engine, name)
+    if name == "SpecDecoder":
+        from pyllama_dspark.decode.engine import SpecDecoder
+        return SpecDecoder
+    if name in ("Stats", "Chunk", "Done"):
+        from pyllama_dspark.decode import cycle
+        return getattr(cycle, name)
     raise AttributeError(name)

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from .errors import DSparkError
+from pyllama_dspark.errors import DSparkError
 
 #: The trained DSpark drafter for SmolLM2-135M-Instruct shipped inside the package
 #: (``pyllama-dspark train``; see README "Default models").
@@ -47,7 +47,7 @@ def default_draft() -> Optional[str]:
 
 def random_draft_for(target: str, kind: str = "dspark") -> str:
     """A random-weight draft matched to the target, written once into the cache."""
-    from .testing import make_test_draft
+    from pyllama_dspark.gguf.testing import make_test_draft
 
     st = os.stat(target)
     out = cache_dir() / f"random-{kind}-{Path(target).stem}-{st.st_size}.gguf"

@@ -55,7 +55,7 @@ def _draft_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def dspark_draft_path(target_path, _draft_dir) -> str:
     """Random DSpark draft (2 layers, block 7, Markov rank 32, confidence head, F32) for the target."""
-    from pyllama_dspark.testing import make_test_draft
+    from pyllama_dspark.gguf.testing import make_test_draft
 
     return make_test_draft(target_path, _draft_dir / "dspark-test.gguf", kind="dspark", seed=0)
 
@@ -63,7 +63,7 @@ def dspark_draft_path(target_path, _draft_dir) -> str:
 @pytest.fixture(scope="session")
 def dflash_draft_path(target_path, _draft_dir) -> str:
     """Random plain DFlash draft (2 layers, block 7, no Markov/confidence heads, F32) for the target."""
-    from pyllama_dspark.testing import make_test_draft
+    from pyllama_dspark.gguf.testing import make_test_draft
 
     return make_test_draft(target_path, _draft_dir / "dflash-test.gguf", kind="dflash", seed=1)
 

@@ -24,12 +24,12 @@ import numpy as np
 import pytest
 
 from integration_refs import DSPARK_KW
-from pyllama_dspark.api import Speculator
-from pyllama_dspark.drafter import DraftModelProposer
-from pyllama_dspark.handles import ContextSettings
-from pyllama_dspark.models import open_models
-from pyllama_dspark.policy import VerifyPolicy, policy_for
-from pyllama_dspark.schedule import CostModel
+from pyllama_dspark.decode.api import Speculator
+from pyllama_dspark.spec.drafter import DraftModelProposer
+from pyllama_dspark.llama.handles import ContextSettings
+from pyllama_dspark.llama.models import open_models
+from pyllama_dspark.spec.policy import VerifyPolicy, policy_for
+from pyllama_dspark.spec.schedule import CostModel
 
 N_TOK = 40
 PROMPTS = ["Write a haiku about rain.", "What is 17 times 23?", "List three uses of copper."]
@@ -129,8 +129,8 @@ def test_auto_without_confidence_head_uses_running_acceptance(target_path, dflas
 def test_auto_drafts_where_it_pays_oracle(target_path, greedy_refs, llama_refs, n_seq):
     """An oracle right 9 blocks in 10 pays on the CPU-like curve: auto verifies long prefixes, at
     R = 1 and with 4 sequences in one batch."""
-    from pyllama_dspark.batch import BatchDecoder
-    from pyllama_dspark.cli_sched import _OracleSet
+    from pyllama_dspark.decode.batch import BatchDecoder
+    from pyllama_dspark.cli.sched import _OracleSet
 
     prompts = [greedy_refs[p][0] for p in PROMPTS] + [greedy_refs[PROMPTS[0]][0]]
     refs = [greedy_refs[p][1] for p in PROMPTS] + [greedy_refs[PROMPTS[0]][1]]
@@ -155,7 +155,7 @@ def test_auto_drafts_where_it_pays_oracle(target_path, greedy_refs, llama_refs, 
 def test_lazy_catch_up_equals_eager_injection(target_path, dspark_draft_path):
     """Three drafts on one target: eager (inject every cycle), lazy (rows kept on the host, one
     catch-up injection) and lazy with one deferred row zeroed (the negative control)."""
-    from pyllama_dspark.handles import Draft
+    from pyllama_dspark.llama.handles import Draft
 
     settings = ContextSettings(n_ctx=512, n_threads=2)
     t, d_eager, _ = open_models(target_path, dspark_draft_path, settings)
@@ -201,7 +201,7 @@ def test_lazy_catch_up_equals_eager_injection(target_path, dspark_draft_path):
 
 
 def test_speculator_and_dspark_default_to_auto(target_path, dspark_draft_path):
-    from pyllama_dspark.dspark import DSpark
+    from pyllama_dspark.integrations.dspark import DSpark
 
     with Speculator(target_path, dspark_draft_path, n_threads=2) as sp:
         assert sp.policy is not None and sp.policy.mode == "auto"
@@ -221,7 +221,7 @@ def test_speculator_and_dspark_default_to_auto(target_path, dspark_draft_path):
 def _run_cli(args, env=None):
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "pyllama_dspark.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", *args], capture_output=True, text=True,
                           env=e, timeout=600)
 
 
@@ -254,7 +254,7 @@ def test_cli_run_default_is_auto_and_says_so(target_path, dspark_draft_path, gre
 
 
 def test_auto_profile_is_measured_once_and_cached(target_path, tmp_path, monkeypatch):
-    from pyllama_dspark import costprofile
+    from pyllama_dspark.spec import costprofile
 
     monkeypatch.delenv(costprofile.PROFILE_ENV, raising=False)
     monkeypatch.setenv("PYLLAMA_DSPARK_CACHE", str(tmp_path))
@@ -280,7 +280,7 @@ def test_plugin_auto_hands_no_drafts_where_they_cannot_pay(target_path, dspark_d
     draft (llama-cpp-python then decodes one token), and the output is still plain greedy's."""
     from integration_refs import open_llama
 
-    from pyllama_dspark.llama_plugin import DSparkDraftModel
+    from pyllama_dspark.integrations.llama_plugin import DSparkDraftModel
 
     plain, llm = open_llama(target_path), open_llama(target_path)
     drafter = DSparkDraftModel(llm, dspark_draft_path, n_max=7, schedule=auto_policy())

@@ -26,8 +26,8 @@ LONG_TEXT = "Alice counted her apples: one, two, three, four, five, six, seven, 
 SCRIPT = textwrap.dedent(r"""
     import json, os, sys
     from pyllama_dspark import Speculator
-    from pyllama_dspark.sampling import SamplingParams
-    from pyllama_dspark.testing import make_test_draft
+    from pyllama_dspark.spec.sampling import SamplingParams
+    from pyllama_dspark.gguf.testing import make_test_draft
     target, draft, work, LONG_TEXT = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 
     def small(name, **kw):
@@ -65,7 +65,7 @@ SCRIPT = textwrap.dedent(r"""
             sp.generate("hi", 4, n_max=-2)
 
     sp = Speculator(target, draft, n_ctx=512, n_threads=1)     # one model load for the generate cases
-    from pyllama_dspark.dspark import DSpark
+    from pyllama_dspark.integrations.dspark import DSpark
     ds = DSpark(target, draft, n_ctx=512, n_threads=1)
 
     def tiny_ctx(prompt, n, kind="dspark", **kw):
@@ -78,9 +78,9 @@ SCRIPT = textwrap.dedent(r"""
     long_prompt = sp.tokenize(LONG_TEXT, add_special=False)[:251]
 
     def tiny_ctx_batched(n_seq):
-        from pyllama_dspark.batch import BatchDecoder
-        from pyllama_dspark.handles import ContextSettings
-        from pyllama_dspark.models import open_models
+        from pyllama_dspark.decode.batch import BatchDecoder
+        from pyllama_dspark.llama.handles import ContextSettings
+        from pyllama_dspark.llama.models import open_models
         t, d, _ = open_models(target, draft, ContextSettings(n_ctx=8 if n_seq == 1 else 256 * n_seq, n_threads=1,
                                                              n_seq_max=n_seq))
         with t:
@@ -231,7 +231,7 @@ def test_dspark_max_tokens_zero_means_until_the_context_is_full_as_in_llama(targ
     plain Llama with the same context."""
     from llama_cpp import Llama
 
-    from pyllama_dspark.dspark import DSpark
+    from pyllama_dspark.integrations.dspark import DSpark
 
     llm = Llama(model_path=target_path, n_ctx=256, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
     try:
@@ -252,7 +252,7 @@ def test_dspark_max_tokens_zero_means_until_the_context_is_full_as_in_llama(targ
 
 
 def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "pyllama_dspark.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", *args], capture_output=True, text=True,
                           timeout=300, **kw)
 
 
@@ -277,10 +277,10 @@ def test_cli_bad_input_is_a_one_line_error(target_path, dspark_draft_path):
 
 
 def test_cli_reports_errors_without_a_traceback(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "pyllama_dspark.cli", "run", "-m", str(tmp_path / "missing.gguf"),
+    p = subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", "run", "-m", str(tmp_path / "missing.gguf"),
                         "-p", "hi"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
     assert "Error:" in p.stderr and "not found" in p.stderr and "Traceback" not in p.stderr
-    p = subprocess.run([sys.executable, "-m", "pyllama_dspark.cli", "run", "-p", "hi", "--top-p", "1.5"],
+    p = subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", "run", "-p", "hi", "--top-p", "1.5"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "top_p" in p.stderr and "Traceback" not in p.stderr

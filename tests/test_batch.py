@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from greedy_ref import greedy, open_llama, TEST_THREADS
-from pyllama_dspark.batch import BatchDecoder, Started
-from pyllama_dspark.handles import ContextSettings, Draft, Target, read_draft_meta
-from pyllama_dspark.oracle import OracleProposer
-from pyllama_dspark.policy import VerifyPolicy
+from pyllama_dspark.decode.batch import BatchDecoder, Started
+from pyllama_dspark.llama.handles import ContextSettings, Draft, Target, read_draft_meta
+from pyllama_dspark.spec.oracle import OracleProposer
+from pyllama_dspark.spec.policy import VerifyPolicy
 from pyllama_dspark.prompts import load_prompts
-from pyllama_dspark.schedule import CostModel
+from pyllama_dspark.spec.schedule import CostModel
 
 THREADS = TEST_THREADS
 R = 3
@@ -22,7 +22,7 @@ def refs(target_path):
     items = load_prompts(limit_per_file=1)
     llm = open_llama(target_path)
     with Target(target_path, ContextSettings(n_threads=THREADS)) as t:
-        from pyllama_dspark.chat import build_chat_prompt
+        from pyllama_dspark.llama.chat import build_chat_prompt
         prompts = [build_chat_prompt(t, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
     prompts.append(list(prompts[0][:-3]) + [28, 198])  # a sixth, shorter prompt
     max_toks = [24, 40, 16, 48, 32, 20]
@@ -136,7 +136,7 @@ def test_batched_sampling_follows_the_targets_law(target_path, refs):
     import pyllama_dspark
     from block_law import pit_values, uniform_chi2
     from greedy_ref import LLAMA_KW
-    from pyllama_dspark.sampling import SamplingParams
+    from pyllama_dspark.spec.sampling import SamplingParams
 
     draft = os.path.join(os.path.dirname(pyllama_dspark.__file__), "data", "SmolLM2-135M-Instruct-DSpark.gguf")
     base = SamplingParams(temperature=0.8, top_k=8, top_p=1.0, min_p=0.0)
@@ -195,7 +195,7 @@ def test_batched_streaming_events_and_cancel(target_path, refs):
             if steps == 3:
                 assert bd.cancel(r1) and not bd.cancel(r1)   # frees its slot for the queued one
         assert not bd.cancel(12345)
-        from pyllama_dspark.engine import Chunk, Done
+        from pyllama_dspark.decode.cycle import Chunk, Done
         for rid, ref in ((r0, ref0),):
             evs = events[rid]
             assert isinstance(evs[-1], Done) and all(isinstance(e, Chunk) for e in evs[:-1])
@@ -208,6 +208,6 @@ def test_batched_streaming_events_and_cancel(target_path, refs):
 
 
 def default_draft_path():
-    from pyllama_dspark.cli import default_draft
+    from pyllama_dspark.paths import default_draft
 
     return default_draft()

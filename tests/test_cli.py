@@ -28,7 +28,7 @@ def _cli(*args, env=None):
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "pyllama_dspark.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", *map(str, args)], capture_output=True,
                           text=True, timeout=600, env=e, cwd=ROOT)
 
 
@@ -80,7 +80,7 @@ def test_make_test_draft_writes_what_was_asked(made, target_path):
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_made_drafts_load_and_draft_in_llama_cpp(made, kind, target_path, llama_refs):
-    from pyllama_dspark.api import Speculator
+    from pyllama_dspark.decode.api import Speculator
 
     prompt = llama_refs.llm.tokenize(b"The capital of France is", add_bos=True, special=True)
     with Speculator(target_path, str(made[kind]), n_ctx=512, n_threads=1) as sp:
@@ -105,7 +105,7 @@ def test_inspect_prints_the_metadata_and_the_verdict(made, target_path):
 
 
 def test_inspect_fails_cleanly_on_a_mismatch(target_path, tmp_path):
-    from pyllama_dspark.testing import make_test_draft
+    from pyllama_dspark.gguf.testing import make_test_draft
 
     bad = make_test_draft(target_path, tmp_path / "n512.gguf", n_layers=1, markov_rank=8,
                           overrides={"@n_embd": 512, "@n_ff": 64})
@@ -137,6 +137,6 @@ def test_run_with_a_random_draft_is_llama_greedy(which, kind, target_path, llama
     assert out["stats"]["drafted"] > 0 and out["stats"]["n_prompt"] == len(prompt)
     written = list(cache.glob(f"random-{kind}-*.gguf"))
     assert len(written) == 1, list(cache.iterdir())
-    from pyllama_dspark.gguf_info import read_draft_info
+    from pyllama_dspark.gguf.info import read_draft_info
 
     assert read_draft_info(str(written[0])).kind == kind

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_dspark import costprofile
+from pyllama_dspark.spec import costprofile
 
 ROOT = Path(__file__).resolve().parent.parent
 GSM8K = ROOT / "pyllama_dspark" / "data" / "prompts" / "gsm8k.jsonl"
@@ -38,7 +38,7 @@ def _cli(*args, env=None):
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "pyllama_dspark.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", *map(str, args)], capture_output=True,
                           text=True, timeout=600, env=e, cwd=ROOT)
 
 
@@ -88,7 +88,7 @@ def counted(monkeypatch, tmp_path):
 
 
 def test_load_or_measure_caches_per_settings(counted, target_path, dspark_draft_path, tmp_path):
-    from pyllama_dspark.api import Speculator
+    from pyllama_dspark.decode.api import Speculator
 
     with Speculator(target_path, dspark_draft_path, n_ctx=512, n_threads=1, schedule="off") as sp:
         first = costprofile.load_or_measure(sp, b_max=4, repeats=2)
@@ -116,7 +116,7 @@ def test_load_or_measure_caches_per_settings(counted, target_path, dspark_draft_
 
 
 def test_auto_profile_caches_and_the_override_wins(counted, target_path, tmp_path, monkeypatch):
-    from pyllama_dspark.api import Speculator
+    from pyllama_dspark.decode.api import Speculator
 
     with Speculator(target_path, None, n_ctx=512, n_threads=1) as sp:
         msgs = []
@@ -196,7 +196,7 @@ def test_run_takes_the_calibration_for_its_draft_only(calibration, target_path, 
     prompt = llama_refs.llm.tokenize(b"The capital of France is", add_bos=True, special=True)
     assert json.loads(p.stdout)["tokens"] == llama_refs.greedy(prompt, 8)
     other = tmp_path / "other.gguf"
-    from pyllama_dspark.testing import make_test_draft
+    from pyllama_dspark.gguf.testing import make_test_draft
 
     make_test_draft(target_path, other, kind="dspark", n_layers=1, markov_rank=8, seed=9)
     p = _cli(*base, "-md", other)

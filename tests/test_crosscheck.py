@@ -20,12 +20,12 @@ import gguf
 import pytest
 from click.testing import CliRunner
 
-from pyllama_dspark.api import Speculator
-from pyllama_dspark.cli import main
-from pyllama_dspark.crosscheck import (cpp_compare, curve_warning, first_divergence, open_plain_llama,
+from pyllama_dspark.decode.api import Speculator
+from pyllama_dspark.cli.main import main
+from pyllama_dspark.tools.crosscheck import (cpp_compare, curve_warning, first_divergence, open_plain_llama,
                                        run_crosscheck)
 from pyllama_dspark.prompts import default_prompt_dir
-from pyllama_dspark.testing import make_test_draft
+from pyllama_dspark.gguf.testing import make_test_draft
 
 
 def _gsm8k():
@@ -55,7 +55,7 @@ def test_first_divergence():
 # ---- end to end ------------------------------------------------------------------------------
 
 def test_crosscheck_passes_on_a_sound_draft(target_path, dspark_draft_path, tmp_path):
-    from pyllama_dspark.llama_server import ensure_llama_server
+    from pyllama_dspark.tools.llama_server import ensure_llama_server
 
     binary = ensure_llama_server()
     out = tmp_path / "cc.json"
@@ -138,7 +138,7 @@ def test_greedy_and_cpp_mismatches_are_real_failures(target_path, dspark_draft_p
 def test_crosscheck_reference_handles_a_reduced_vocabulary_draft(target_path, tmp_path):
     """The shipped drafter (own lm_head over a d2t vocabulary, F16 layers): llama.cpp's rows are
     -inf off the draft vocabulary by design, and the reference follows llama.cpp's argmax chain."""
-    from pyllama_dspark.cli import default_draft
+    from pyllama_dspark.paths import default_draft
 
     out = tmp_path / "cc.json"
     r = CliRunner().invoke(main, ["crosscheck", "-m", target_path, "-md", default_draft(), "--prompts", _gsm8k(),

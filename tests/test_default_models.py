@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 
-from pyllama_dspark.cli import default_draft, default_target
-from pyllama_dspark.gguf_info import read_draft_info, read_target_info, validate_pair
+from pyllama_dspark.paths import default_draft, default_target
+from pyllama_dspark.gguf.info import read_draft_info, read_target_info, validate_pair
 
 
 def test_shipped_drafter_fits_the_default_target_and_the_size_budget():
@@ -27,7 +27,7 @@ N = 48
 
 
 def _run(*args):
-    cmd = [sys.executable, "-m", "pyllama_dspark.cli", "run", "-p", PROMPT, "-n", str(N),
+    cmd = [sys.executable, "-m", "pyllama_dspark.cli.main", "run", "-p", PROMPT, "-n", str(N),
            "--temp", "0", "-t", "2", "--json", *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr

@@ -13,9 +13,9 @@ import os
 import numpy as np
 import pytest
 
-from pyllama_dspark import gguf_info as gi
+from pyllama_dspark.gguf import info as gi
 from pyllama_dspark.errors import DraftMismatchError, ModelFileError, UnsupportedArchError
-from pyllama_dspark.testing import default_target_layers, make_test_draft, pick_mask_token_id
+from pyllama_dspark.gguf.testing import default_target_layers, make_test_draft, pick_mask_token_id
 
 SMOLLM2_LAYERS = 30
 SMOLLM2_EMBD = 576
@@ -499,7 +499,7 @@ def test_layer_input_arch_table_matches_llama_cpp_sources():
     (the llama-server build's copy): every architecture whose graph writes the layer inputs is in
     it, except the two left out on purpose, and nothing else is; the same for the final-layer
     table; and every ``file:line`` the table cites is such a store."""
-    from pyllama_dspark.llama_server import ensure_llama_server, llama_server_cache_dir
+    from pyllama_dspark.tools.llama_server import ensure_llama_server, llama_server_cache_dir
 
     ensure_llama_server()     # also extracts llama.cpp's sources into the cache
     src = llama_server_cache_dir() / "src" / "src"

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from greedy_ref import greedy, open_llama, TEST_THREADS
-from pyllama_dspark.api import Speculator
-from pyllama_dspark.drafter import NoDraft
-from pyllama_dspark.oracle import OracleProposer
-from pyllama_dspark.verify import greedy_accept, greedy_emitted
+from pyllama_dspark.decode.api import Speculator
+from pyllama_dspark.spec.drafter import NoDraft
+from pyllama_dspark.spec.oracle import OracleProposer
+from pyllama_dspark.spec.verify import greedy_accept, greedy_emitted
 
 THREADS = TEST_THREADS
 

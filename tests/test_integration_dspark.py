@@ -16,10 +16,10 @@ import pytest
 from integration_refs import (DSPARK_KW, N_TOKENS, chat_cases, content, greedy_chat, open_llama,
                               streamed_content)
 from first_tokens_law import law_check, two_token_law
-from pyllama_dspark.dspark import DSpark
-from pyllama_dspark.engine import Done
+from pyllama_dspark.integrations.dspark import DSpark
+from pyllama_dspark.decode.cycle import Done
 from pyllama_dspark.errors import ClosedError, ContextOverflowError
-from pyllama_dspark.sampling import SamplingParams
+from pyllama_dspark.spec.sampling import SamplingParams
 
 TIMING_KEYS = {"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
                "predicted_per_second", "draft_n", "draft_n_accepted"}

@@ -19,11 +19,11 @@ import pytest
 
 from integration_refs import (N_TOKENS, THREADS, chat_cases, content, greedy_chat, open_llama,
                               streamed_content)
-from pyllama_dspark.api import Speculator
-from pyllama_dspark.drafter import DraftModelProposer
+from pyllama_dspark.decode.api import Speculator
+from pyllama_dspark.spec.drafter import DraftModelProposer
 from pyllama_dspark.errors import ClosedError, ModelFileError
-from pyllama_dspark.llama_plugin import DSparkDraftModel
-from pyllama_dspark.testing import make_test_draft, plant_markov_bigrams
+from pyllama_dspark.integrations.llama_plugin import DSparkDraftModel
+from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 
 
 @pytest.fixture(scope="module")

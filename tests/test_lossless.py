@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 
 from greedy_ref import explain_mismatch, TEST_THREADS
-from pyllama_dspark.api import Speculator
-from pyllama_dspark.oracle import OracleProposer
+from pyllama_dspark.decode.api import Speculator
+from pyllama_dspark.spec.oracle import OracleProposer
 from pyllama_dspark.prompts import load_prompts
-from pyllama_dspark.testing import make_test_draft, plant_markov_bigrams
+from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 
 N_TOKENS = 128
 PER_FILE = 4
@@ -104,7 +104,7 @@ def test_shipped_trained_drafter_is_lossless_and_accepted(cases, target_path):
 
     Regression guard (not the training target): tau on the first prompt of each benchmark file
     (5 dev prompts), greedy, 128 tokens: measured 1.77, asserted >= 1.65."""
-    from pyllama_dspark.cli import default_draft
+    from pyllama_dspark.paths import default_draft
 
     draft = default_draft()
     assert draft is not None, "the package ships no default drafter"

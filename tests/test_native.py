@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from pyllama_dspark import _native as nat
+from pyllama_dspark.llama import _native as nat
 from pyllama_dspark.errors import NativeError
-from pyllama_dspark.handles import ContextSettings, Draft, MarkovHead, Target, read_draft_meta
+from pyllama_dspark.llama.handles import ContextSettings, Draft, MarkovHead, Target, read_draft_meta
 
 
 def test_one_libllama_in_the_process():

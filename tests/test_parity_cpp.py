@@ -26,12 +26,12 @@ import pytest
 from greedy_ref import TEST_THREADS
 
 import pyllama_dspark
-from pyllama_dspark.api import Speculator
-from pyllama_dspark.dflash_mode import dflash_mode_draft
-from pyllama_dspark.llama_server import LlamaServer, ensure_llama_server
-from pyllama_dspark.policy import VerifyPolicy
+from pyllama_dspark.decode.api import Speculator
+from pyllama_dspark.tools.dflash_mode import dflash_mode_draft
+from pyllama_dspark.tools.llama_server import LlamaServer, ensure_llama_server
+from pyllama_dspark.spec.policy import VerifyPolicy
 from pyllama_dspark.prompts import load_prompts
-from pyllama_dspark.testing import make_test_draft, plant_markov_bigrams
+from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 
 pytestmark = pytest.mark.slow
 

@@ -25,12 +25,12 @@ import pytest
 
 from greedy_ref import greedy, open_llama, TEST_THREADS
 from llama_sampler_ref import LlamaChain
-from pyllama_dspark.api import Speculator
-from pyllama_dspark.batch import BatchDecoder
-from pyllama_dspark.engine import SpecDecoder
-from pyllama_dspark.handles import ContextSettings, Draft, Target, read_draft_meta
-from pyllama_dspark.oracle import OracleProposer
-from pyllama_dspark.sampling import SamplingParams
+from pyllama_dspark.decode.api import Speculator
+from pyllama_dspark.decode.batch import BatchDecoder
+from pyllama_dspark.decode.engine import SpecDecoder
+from pyllama_dspark.llama.handles import ContextSettings, Draft, Target, read_draft_meta
+from pyllama_dspark.spec.oracle import OracleProposer
+from pyllama_dspark.spec.sampling import SamplingParams
 
 PENALTY = 1.3
 N = 16
@@ -157,7 +157,7 @@ def test_dspark_class_matches_llama(target_path, dspark_draft_path, cases):
 def test_run_cli(target_path, dspark_draft_path, cases):
     from click.testing import CliRunner
 
-    from pyllama_dspark.cli import main
+    from pyllama_dspark.cli.main import main
 
     p, _, chain, _ = cases[0]
     res = CliRunner().invoke(main, ["run", "-m", target_path, "-md", dspark_draft_path, "--raw", "-p", TEXTS[0],
@@ -169,8 +169,8 @@ def test_run_cli(target_path, dspark_draft_path, cases):
 
 
 def test_server_keeps_penalties_at_temperature_0():
-    from pyllama_dspark.oai_request import GenRequest, RequestError
-    from pyllama_dspark.server import LLAMA_SERVER_SAMPLING, sampling_for
+    from pyllama_dspark.serve.oai_request import GenRequest, RequestError
+    from pyllama_dspark.serve.server import LLAMA_SERVER_SAMPLING, sampling_for
 
     s = sampling_for(GenRequest(kind="completion", sampling={"temperature": 0, "repeat_penalty": 1.3}),
                      LLAMA_SERVER_SAMPLING)
@@ -186,7 +186,7 @@ def test_server_keeps_penalties_at_temperature_0():
 
 @pytest.mark.slow
 def test_llama_server_same_tokens(target_path, dspark_draft_path, cases):
-    from pyllama_dspark.llama_server import LlamaServer, ensure_llama_server
+    from pyllama_dspark.tools.llama_server import LlamaServer, ensure_llama_server
 
     binary = ensure_llama_server()
     with LlamaServer(binary, target_path, dspark_draft_path, spec_type="draft-dspark", n_max=7, ctx=4096,

@@ -3,7 +3,7 @@
 Convention: a line ``<!-- readme-test -->`` (invisible on GitHub) right before a fenced ```bash or
 ```python block marks it as runnable.  Each one runs in a fresh process, in a folder where
 ``target.gguf`` is the SmolLM2 test target and ``draft.gguf`` a random DSpark draft for it, against
-this checkout (PYTHONPATH); a ``pyllama-dspark`` command runs as ``python -m pyllama_dspark.cli``
+this checkout (PYTHONPATH); a ``pyllama-dspark`` command runs as ``python -m pyllama_dspark.cli.main``
 (the console script's entry point), so the checkout's code is what runs.
 """
 
@@ -80,7 +80,7 @@ def _bash_commands(code: str):
             continue
         argv = shlex.split(line)
         if argv[0] == "pyllama-dspark":
-            argv = [sys.executable, "-m", "pyllama_dspark.cli"] + argv[1:]
+            argv = [sys.executable, "-m", "pyllama_dspark.cli.main"] + argv[1:]
         yield argv
 
 

@@ -1,4 +1,4 @@
-"""pyllama_dspark.reference against llama.cpp itself (llama-cpp-python 0.3.36, CPU).
+"""pyllama_dspark.tools.reference against llama.cpp itself (llama-cpp-python 0.3.36, CPU).
 
 The draft is the random DSpark / DFlash draft of ``conftest.py`` copied with random norm weights
 (the writer uses all-ones norms, which would hide a missing norm weight).  llama.cpp is driven
@@ -49,7 +49,7 @@ from llama_cpp import llama_cpp as L  # noqa: E402
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from pyllama_dspark.reference import DraftReference, vec_dot_type  # noqa: E402
+from pyllama_dspark.tools.reference import DraftReference, vec_dot_type  # noqa: E402
 
 U16 = 2.0 ** -11
 # hidden-state tolerances in units of ||delta|| (see the module docstring)
@@ -439,7 +439,7 @@ def _negative_controls(ex: DraftReference, toks, pos0, h_ll, delta) -> dict:
 
 def _shim_features(target_path: str, draft_path: str, n: int) -> np.ndarray:
     """Layer inputs of the draft's target layers for the first n tokens of a real prompt."""
-    from pyllama_dspark.handles import ContextSettings, Target, read_draft_meta
+    from pyllama_dspark.llama.handles import ContextSettings, Target, read_draft_meta
 
     meta = read_draft_meta(draft_path)
     settings = ContextSettings(n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2)
@@ -540,7 +540,7 @@ def test_bonus_anchor_slot_and_d2t(target_path, tmp_path):
     padded with sigmoid(U_0[0])); slot 1 is conditioned on the anchor.  The same draft has a
     reduced vocabulary (d2t): its own lm_head, logits scattered to target ids, -inf elsewhere,
     the Markov bias scattered the same way (0 elsewhere)."""
-    from pyllama_dspark.testing import make_test_draft
+    from pyllama_dspark.gguf.testing import make_test_draft
 
     src = make_test_draft(target_path, tmp_path / "bonus.gguf", kind="dspark", seed=3,
                           overrides={"dflash.sample_from_anchor": False})

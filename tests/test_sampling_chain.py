@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from llama_sampler_ref import LlamaChain
-from pyllama_dspark.handles import ContextSettings, Target
-from pyllama_dspark.sampling import SamplingParams, TokenSampler, chain_probs, resolve_seed
+from pyllama_dspark.llama.handles import ContextSettings, Target
+from pyllama_dspark.spec.sampling import SamplingParams, TokenSampler, chain_probs, resolve_seed
 
 PARAMS = [
     SamplingParams(),                                                        # llama.cpp defaults

@@ -18,11 +18,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyllama_dspark.drafter import DraftModelProposer
-from pyllama_dspark.gguf_info import read_gguf
-from pyllama_dspark.handles import ContextSettings, Draft, Target
-from pyllama_dspark.sampling import SamplingParams, TokenSampler, chain_probs
-from pyllama_dspark.gguf_info import read_draft_info
+from pyllama_dspark.spec.drafter import DraftModelProposer
+from pyllama_dspark.gguf.info import read_gguf
+from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
+from pyllama_dspark.spec.sampling import SamplingParams, TokenSampler, chain_probs
+from pyllama_dspark.gguf.info import read_draft_info
 from test_sampling_rule import chi2_pvalue
 
 N_DRAWS = 20_000
@@ -139,7 +139,7 @@ def test_confidence_uses_the_sampled_token(block, dspark_draft_path):
 
 
 def test_bias_delta_scatters_reduced_vocab_rows():
-    from pyllama_dspark.draft_sampling import bias_delta
+    from pyllama_dspark.spec.draft_sampling import bias_delta
 
     a, x = np.array([1.0, 2.0, 3.0], dtype=np.float32), np.array([0.5, 4.0, 3.0], dtype=np.float32)
     np.testing.assert_array_equal(bias_delta(a, x, None, 3), [-0.5, 2.0, 0.0])

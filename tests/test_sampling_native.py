@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from llama_sampler_ref import LlamaChain
-from pyllama_dspark import _native as nat
+from pyllama_dspark.llama import _native as nat
 from pyllama_dspark.errors import NativeError
-from pyllama_dspark.sampling import Dist, SamplingParams, TokenSampler, chain_dist, sample_from
-from pyllama_dspark.verify import residual, speculative_accept
+from pyllama_dspark.spec.sampling import Dist, SamplingParams, TokenSampler, chain_dist, sample_from
+from pyllama_dspark.spec.verify import residual, speculative_accept
 from test_sampling_rule import P1, Q1, P_MIN, chi2_pvalue
 
 VOCABS = [49152, 151936, 262144]
@@ -283,7 +283,7 @@ def test_markov_bias_and_w1_at_262k(tmp_path):
     """The Markov graph and its transfer with a 262,144-token vocabulary (W1 and W2 only)."""
     import gguf
 
-    from pyllama_dspark.handles import MarkovHead
+    from pyllama_dspark.llama.handles import MarkovHead
 
     v, rank = 262144, 8
     rng = np.random.default_rng(0)
@@ -320,7 +320,7 @@ def test_exception_guard():
 
 
 def test_absurd_inject_is_refused_before_allocating(target_path, dspark_draft_path):
-    from pyllama_dspark.handles import ContextSettings, Draft, Target, read_draft_meta
+    from pyllama_dspark.llama.handles import ContextSettings, Draft, Target, read_draft_meta
 
     meta = read_draft_meta(dspark_draft_path)
     s = ContextSettings(n_ctx=256, n_threads=2)

@@ -12,8 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from pyllama_dspark.sampling import sample_from
-from pyllama_dspark.verify import speculative_accept
+from pyllama_dspark.spec.sampling import sample_from
+from pyllama_dspark.spec.verify import speculative_accept
 
 P_MIN = 1e-3
 

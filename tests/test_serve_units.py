@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from pyllama_dspark import openai_format as fmt
-from pyllama_dspark.engine import Done, Stats
-from pyllama_dspark.oai_request import RequestError, parse_request
-from pyllama_dspark.batch import Started
-from pyllama_dspark.slots import Cancelled, Job, SlotPool
-from pyllama_dspark.timings import llama_timings, timing_log_lines
-from pyllama_dspark.llama_server import parse_draft_acceptance
+from pyllama_dspark.serve import openai_format as fmt
+from pyllama_dspark.decode.cycle import Done, Stats
+from pyllama_dspark.serve.oai_request import RequestError, parse_request
+from pyllama_dspark.decode.batch import Started
+from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
+from pyllama_dspark.decode.timings import llama_timings, timing_log_lines
+from pyllama_dspark.tools.llama_server import parse_draft_acceptance
 
 
 def test_parse_chat_request_fields():
@@ -263,8 +263,8 @@ class _FakeBatchDecoder:
 @pytest.fixture
 def batched(monkeypatch):
     """A BatchedPool over the scripted decoder; yields (pool, fake speculator, decoder)."""
-    import pyllama_dspark.batch as batch_mod
-    from pyllama_dspark.batch_pool import BatchedPool
+    import pyllama_dspark.decode.batch as batch_mod
+    from pyllama_dspark.serve.batch_pool import BatchedPool
 
     monkeypatch.setattr(batch_mod, "BatchDecoder", _FakeBatchDecoder)
     _FakeBatchDecoder.instances = []
@@ -283,7 +283,7 @@ def _finished(*dones):
 
 def test_batched_pool_streams_events_and_frees_slots(batched, caplog):
     pool, sp, bd = batched
-    caplog.set_level("INFO", logger="pyllama_dspark.server")
+    caplog.set_level("INFO", logger="pyllama_dspark.serve.server")
     assert pool.n_slots == 2 and pool.n_ctx == 64 and pool.front is sp
     runs = [_collect() for _ in range(3)]
     jobs = [pool.submit(Job([1, 2], n, on)) for n, (_, _, on) in zip((3, 5, 2), runs)]
@@ -313,7 +313,7 @@ def _steps_until(bd, cond):
 
 def test_batched_pool_cancels_one_job_and_keeps_the_other(batched, caplog):
     pool, sp, bd = batched
-    caplog.set_level("INFO", logger="pyllama_dspark.server")
+    caplog.set_level("INFO", logger="pyllama_dspark.serve.server")
     bd.hold = True
     e_keep, d_keep, on_keep = _collect()
     e_gone, d_gone, on_gone = _collect()
@@ -372,7 +372,7 @@ def test_batched_pool_bad_request_and_failed_step_do_not_stop_it(batched):
 
 def test_batched_pool_close_waits_for_the_step_and_answers_everyone(batched, caplog):
     pool, sp, bd = batched
-    caplog.set_level("INFO", logger="pyllama_dspark.server")
+    caplog.set_level("INFO", logger="pyllama_dspark.serve.server")
     bd.hold = True
     runs = [_collect() for _ in range(3)]          # two running, one waiting for a slot
     jobs = [pool.submit(Job([k], 50, on)) for k, (_, _, on) in enumerate(runs)]
@@ -395,8 +395,8 @@ def test_batched_pool_close_waits_for_the_step_and_answers_everyone(batched, cap
 
 
 def test_batched_pool_submit_racing_close_never_loses_a_job(monkeypatch):
-    import pyllama_dspark.batch as batch_mod
-    from pyllama_dspark.batch_pool import BatchedPool
+    import pyllama_dspark.decode.batch as batch_mod
+    from pyllama_dspark.serve.batch_pool import BatchedPool
 
     monkeypatch.setattr(batch_mod, "BatchDecoder", _FakeBatchDecoder)
     for _ in range(5):

@@ -1,5 +1,5 @@
 """The target architectures DSpark users run, as random-weight targets: our loop on llama.cpp's real
-graphs and memories for each (``pyllama_dspark.target_writer``).
+graphs and memories for each (``pyllama_dspark.gguf.target_writer``).
 
 Per architecture (llama, qwen3, qwen3moe, gemma4, gemma4-moe, gpt-oss; 4096-token vocabularies,
 F32 weights), three prompts x ``N_GEN`` tokens against plain greedy decoding of the same file
@@ -32,11 +32,11 @@ import numpy as np
 import pytest
 
 from greedy_ref import first_divergence, greedy, top2_margin
-from pyllama_dspark.api import Speculator
-from pyllama_dspark.oracle import OracleProposer
+from pyllama_dspark.decode.api import Speculator
+from pyllama_dspark.spec.oracle import OracleProposer
 from pyllama_dspark.prompts import load_prompts
-from pyllama_dspark.target_writer import ARCH_SPECS, make_test_target, router_margins
-from pyllama_dspark.testing import make_test_draft, plant_markov_bigrams
+from pyllama_dspark.gguf.target_writer import ARCH_SPECS, make_test_target, router_margins
+from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 
 ARCHS = ("llama", "qwen3", "qwen3moe", "gemma4", "gemma4-moe", "gpt-oss")
 N_VOCAB = 4096
@@ -217,7 +217,7 @@ def test_router_margin_diagnostic_sees_small_margins(tmp_path):
 
 @pytest.fixture(scope="module")
 def server_binary():
-    from pyllama_dspark.llama_server import ensure_llama_server
+    from pyllama_dspark.tools.llama_server import ensure_llama_server
 
     return ensure_llama_server()
 
@@ -226,7 +226,7 @@ def server_binary():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [a for a in ARCHS if a != "llama"], indirect=True)
 def test_parity_llama_server(case, server_binary, tmp_path):
-    from pyllama_dspark.llama_server import LlamaServer
+    from pyllama_dspark.tools.llama_server import LlamaServer
 
     bigram = make_test_draft(case.target, tmp_path / "bigram.gguf", kind="dspark", markov_rank=256, seed=3)
     assert plant_markov_bigrams(bigram, [list(p) + list(r) for p, r in zip(case.prompts, case.refs)],
@@ -281,7 +281,7 @@ def test_peaked_scales_the_logits(tmp_path):
 def test_cli_make_test_target_and_draft(tmp_path):
     from click.testing import CliRunner
 
-    from pyllama_dspark.cli import main
+    from pyllama_dspark.cli.main import main
 
     t, d = tmp_path / "g4.gguf", tmp_path / "g4-draft.gguf"
     r = CliRunner().invoke(main, ["make-test-target", "--arch", "gemma4", "-o", str(t), "--n-vocab", "1000",
@@ -297,10 +297,10 @@ def test_cli_make_test_target_and_draft(tmp_path):
 
 GEMMA3_SCRIPT = textwrap.dedent("""
     import sys
-    from pyllama_dspark.api import Speculator
+    from pyllama_dspark.decode.api import Speculator
     from pyllama_dspark.errors import UnsupportedArchError
-    from pyllama_dspark.target_writer import make_test_target
-    from pyllama_dspark.testing import make_test_draft
+    from pyllama_dspark.gguf.target_writer import make_test_target
+    from pyllama_dspark.gguf.testing import make_test_draft
     d = sys.argv[1]
     t = make_test_target(d + "/g3.gguf", "gemma3", n_vocab=1024, seed=1)
     dr = make_test_draft(t, d + "/g3-draft.gguf")
@@ -311,7 +311,7 @@ GEMMA3_SCRIPT = textwrap.dedent("""
     else:
         print("NOT REFUSED")
     from llama_cpp import Llama
-    from pyllama_dspark.llama_plugin import DSparkDraftModel
+    from pyllama_dspark.integrations.llama_plugin import DSparkDraftModel
     llm = Llama(model_path=t, n_ctx=512, n_threads=1, verbose=False)
     try:
         DSparkDraftModel(llm, dr)

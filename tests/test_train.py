@@ -114,8 +114,8 @@ def test_instructions_are_distinct_and_not_benchmark_text():
 
 
 def test_pipeline_smoke_trains_exports_and_drafts(smoke, target_path):
-    from pyllama_dspark.api import Speculator
-    from pyllama_dspark.gguf_info import read_draft_info
+    from pyllama_dspark.decode.api import Speculator
+    from pyllama_dspark.gguf.info import read_draft_info
 
     work, out, res = smoke
     assert res["data"]["sequences"] >= 6          # follow-up turns add sequences
@@ -209,8 +209,8 @@ def test_second_run_trains_on_both_datasets_from_a_warm_start(smoke, target_path
 def test_records_align_features_logits_and_tokens(smoke, target_path):
     """A greedy record's stored argmax is the token that follows; its features equal a fresh
     prefill's capture (different batch composition: float rounding only)."""
-    from pyllama_dspark.handles import ContextSettings, Target
-    from pyllama_dspark.testing import default_target_layers
+    from pyllama_dspark.llama.handles import ContextSettings, Target
+    from pyllama_dspark.gguf.testing import default_target_layers
 
     work, _, _ = smoke
     recs = load_records(work / "data")

@@ -6,8 +6,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..gguf_info import read_gguf, read_target_info
-from ..testing import default_target_layers, pick_mask_token_id
+from pyllama_dspark.gguf.info import read_gguf, read_target_info
+from pyllama_dspark.gguf.testing import default_target_layers, pick_mask_token_id
 
 __all__ = ["target_tensor", "make_spec", "build_model", "feature_scale"]
 
@@ -26,7 +26,7 @@ def target_tensor(target_path: str, name: str) -> np.ndarray:
 
 def make_spec(target_path: str, n_layers: int = 1, block_size: int = 7, markov_rank: int = 32,
               target_layers: Optional[Sequence[int]] = None):
-    from .model import DraftSpec
+    from pyllama_dspark.training.model import DraftSpec
 
     ti = read_target_info(target_path)
     layers = list(target_layers) if target_layers else default_target_layers(ti.n_layer)
@@ -58,7 +58,7 @@ def build_model(target_path: str, spec, d2t: np.ndarray, train_head: bool = Fals
     initialized from target layer ``init_from_layer`` (-1 = the last; None = random)."""
     import torch
 
-    from .model import DSparkDraft
+    from pyllama_dspark.training.model import DSparkDraft
 
     emb = target_tensor(target_path, "token_embd.weight")
     try:

@@ -1,6 +1,6 @@
 """Export a trained :class:`~.model.DSparkDraft` as a ``dflash`` GGUF that llama.cpp loads.
 
-Layout as in ``src/models/dflash.cpp`` (see :func:`pyllama_dspark.testing.make_test_draft`, which
+Layout as in ``src/models/dflash.cpp`` (see :func:`pyllama_dspark.gguf.testing.make_test_draft`, which
 writes the metadata and tokenizer): ``fc.weight`` stays F32 (F16 overflows on the target's
 activations; hazard 9 in DESIGN.md), norms and the confidence head F32, the layer matrices and the
 draft's own lm_head (``output.weight``, rows of the reduced vocabulary ``d2t``) in ``weights_type``
@@ -15,7 +15,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ..testing import make_test_draft
+from pyllama_dspark.gguf.testing import make_test_draft
 
 __all__ = ["export_gguf", "WEIGHT_TYPES"]
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from .families_v3 import V3_SOURCES, v3_makers
+from pyllama_dspark.training.families_v3 import V3_SOURCES, v3_makers
 
 __all__ = ["Instruction", "build_instructions", "SOURCES", "is_benchmark_text", "BenchmarkFilter", "MIXES"]
 

@@ -32,7 +32,7 @@ def compare_blocks(model, target_path: str, gguf_path: str, tokens: Sequence[int
                    anchors: Sequence[int], n_threads: int = 2) -> List[BlockDiff]:
     import torch
 
-    from ..handles import ContextSettings, Draft, Target
+    from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
 
     toks = np.asarray(tokens, dtype=np.int32)
     B = model.spec.block_size

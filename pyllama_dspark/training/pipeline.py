@@ -19,9 +19,9 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from .datagen import GenConfig
-from .instructions import SOURCES, build_instructions
-from .trainer import TrainConfig
+from pyllama_dspark.training.datagen import GenConfig
+from pyllama_dspark.training.instructions import SOURCES, build_instructions
+from pyllama_dspark.training.trainer import TrainConfig
 
 __all__ = ["PipelineConfig", "run_pipeline", "benchmark_texts", "split_indices"]
 
@@ -46,7 +46,7 @@ class PipelineConfig:
 
 def benchmark_texts(prompt_dir: Optional[Path]) -> List[str]:
     """Every turn of every benchmark prompt file (to keep them out of the training set)."""
-    from ..prompts import load_prompts
+    from pyllama_dspark.prompts import load_prompts
 
     if prompt_dir is None:
         return []
@@ -62,8 +62,8 @@ def split_indices(n: int, every: int) -> tuple:
 def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: PipelineConfig,
                  stages: Sequence[str] = ("data", "train", "export"), echo: Callable[[str], None] = print,
                  prompt_dir: Optional[Path] = None) -> dict:
-    from ..gguf_info import read_target_info
-    from ..testing import default_target_layers
+    from pyllama_dspark.gguf.info import read_target_info
+    from pyllama_dspark.gguf.testing import default_target_layers
 
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
     if "data" in stages:
         from tqdm import tqdm
 
-        from .datagen import generate_dataset
+        from pyllama_dspark.training.datagen import generate_dataset
 
         bar = tqdm(desc="responses", unit="seq")
 
@@ -114,9 +114,9 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
     if "train" in stages or "export" in stages:
         import torch
 
-        from .build import build_model, feature_scale, make_spec
-        from .datagen import load_records
-        from .trainer import Batcher, select_vocab, train
+        from pyllama_dspark.training.build import build_model, feature_scale, make_spec
+        from pyllama_dspark.training.datagen import load_records
+        from pyllama_dspark.training.trainer import Batcher, select_vocab, train
 
         # earlier runs first: their records keep their indices, so their held-out split stays held out
         recs = [r for e in cfg.extra_data for r in load_records(Path(e) / "data")] + load_records(work / "data")
@@ -128,7 +128,7 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
         if vpath.exists():
             d2t = np.load(vpath)
         else:
-            from ..handles import ContextSettings, Target
+            from pyllama_dspark.llama.handles import ContextSettings, Target
 
             with Target(target_path, ContextSettings(n_ctx=64)) as t:
                 eog = np.nonzero(t.eog_mask)[0].tolist()
@@ -169,7 +169,7 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
                 raise RuntimeError(f"no checkpoint at {ck}: run the train stage first")
             model.load_state_dict(torch.load(ck, weights_only=False)["model"])
         if "export" in stages and out_path:
-            from .export import export_gguf
+            from pyllama_dspark.training.export import export_gguf
 
             export_gguf(model, target_path, out_path, cfg.weights_type)
             echo(f"wrote {out_path}")
@@ -190,9 +190,9 @@ PASSAGE_SOURCES = ("explain", "writing", "advice", "compare", "list", "chat", "m
 def _passages(target_path: str, extra_data: Sequence[str]) -> List[str]:
     """Paragraphs of the target's own prose responses in the earlier datasets (mix v3's ``passage``
     family)."""
-    from ..handles import ContextSettings, Target
-    from .datagen import load_responses
-    from .families_v3 import split_passages
+    from pyllama_dspark.llama.handles import ContextSettings, Target
+    from pyllama_dspark.training.datagen import load_responses
+    from pyllama_dspark.training.families_v3 import split_passages
 
     resp = [t for e in extra_data for t in load_responses(Path(e) / "data", PASSAGE_SOURCES)]
     if not resp:

@@ -25,8 +25,8 @@ from typing import Callable, Dict, Optional, Sequence
 import numpy as np
 import torch
 
-from .datagen import Record
-from .model import DSparkDraft
+from pyllama_dspark.training.datagen import Record
+from pyllama_dspark.training.model import DSparkDraft
 
 __all__ = ["TrainConfig", "select_vocab", "Batcher", "block_losses", "train", "evaluate_records"]
 

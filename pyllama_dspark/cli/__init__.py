@@ -1,0 +1,1 @@
+"""The ``pyllama-dspark`` command: ``main`` (the click group) and one module per command family."""

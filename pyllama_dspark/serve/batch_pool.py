@@ -1,0 +1,185 @@
+"""Server slots over one batched decoder: ``serve -np N`` with continuous batching.
+
+One worker thread owns a :class:`~.batch.BatchDecoder` over a target + draft opened with N
+sequences: every step verifies all running requests' rows in one target decode (and drafts all
+their blocks in one draft decode), which is what llama-server does with its slots.  Requests join
+as slots free up, each with its own sampling parameters, stop strings and max_tokens; a cancelled
+job (client gone) is dropped at the next step boundary.  Same interface as
+:class:`~.slots.SlotPool` (``submit(Job)``, ``front``, ``n_ctx``, ``n_busy``, ``close``), so the
+HTTP front end does not know which one it drives.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Dict, Optional
+
+from pyllama_dspark.decode.batch import Started
+from pyllama_dspark.decode.cycle import Done
+from pyllama_dspark.serve.slots import Cancelled, Job, JobQueue, _deliver
+from pyllama_dspark.decode.timings import timing_log_lines
+
+log = logging.getLogger("pyllama_dspark.serve.server")
+
+
+class BatchedPool(JobQueue):
+    """``n_slots`` concurrent requests decoded together by one BatchDecoder.
+
+    ``sp``: a :class:`~.api.Speculator` opened with ``n_seq=n_slots`` (it owns the contexts and
+    is closed with the pool); ``policy``: an optional :class:`~.policy.VerifyPolicy`."""
+
+    def __init__(self, sp, n_max: int = 7, policy=None):
+        from pyllama_dspark.decode.batch import BatchDecoder
+
+        self.sp = sp
+        self._bd = BatchDecoder(sp.target, sp.proposer if sp.draft is not None else None, n_max=n_max,
+                                policy=policy, streaming=True)
+        self._init_jobs()
+        self._running: Dict[int, Job] = {}     # rid -> job
+        self._thread = threading.Thread(target=self._work, name="dspark-batch", daemon=True)
+        self._thread.start()
+
+    # ---- properties --------------------------------------------------------------------------------
+    @property
+    def n_slots(self) -> int:
+        return self._bd.n_slots
+
+    @property
+    def front(self):
+        return self.sp
+
+    @property
+    def n_ctx(self) -> int:
+        """Context per slot."""
+        return int(self._bd.n_ctx_seq)
+
+    @property
+    def n_busy(self) -> int:
+        with self._lock:
+            return min(len(self._running), self.n_slots)
+
+    # ---- jobs --------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if not self._mark_closed():
+            return
+        try:
+            self._queue.put(None)
+            # no timeout: the worker stops at the next step boundary, and the contexts must not be
+            # freed under a decode that is still running
+            self._thread.join()
+            self._cancel_queued()   # whatever the worker did not take
+            self.sp.close()
+        finally:
+            self._closed_now()
+
+    # ---- worker ------------------------------------------------------------------------------------
+    def _take(self, job: Job) -> None:
+        if job.cancelled:
+            self._count(cancelled=True)
+            _deliver(job, Cancelled("cancelled while queued"))
+            return
+        try:
+            rid = self._bd.submit(job.prompt_tokens, job.max_tokens, job.stop, sampling=job.sampling,
+                                  ignore_eos=job.ignore_eos)
+        except Exception as e:   # bad request: the client gets it, the batch goes on
+            _deliver(job, e)
+            return
+        with self._lock:
+            self._running[rid] = job
+
+    def _work(self) -> None:
+        stop = False
+        while not stop:
+            try:
+                stop = self._cycle()
+            except BaseException as e:   # never let the worker die with jobs waiting on it
+                log.error("batch worker error: %s", e)
+                self._fail_running(e)
+
+    def _fail_running(self, e: BaseException) -> None:
+        with self._lock:
+            running, self._running = list(self._running.items()), {}
+        for rid, job in running:
+            try:
+                self._bd.cancel(rid)
+            except Exception:   # the decoder is broken: the job still gets its error
+                pass
+            _deliver(job, e)
+        self._bd.poll()
+
+    def _cycle(self) -> bool:
+        """Take new jobs, drop cancelled ones, run one step, deliver its events; True to stop."""
+        bd = self._bd
+        stop = False
+        # new jobs: wait for one when idle, otherwise take what has arrived
+        while True:
+            try:
+                job = self._queue.get(block=bd.pending() == 0)
+            except queue.Empty:
+                break
+            if job is None:
+                stop = True
+                break
+            self._take(job)
+        with self._lock:
+            running = list(self._running.items())
+        for rid, job in running:
+            if job.cancelled or stop:
+                bd.cancel(rid)
+                with self._lock:
+                    self._running.pop(rid, None)
+                self._count(cancelled=True)
+                why = "cancelled by the client" if job.cancelled else "cancelled: server shutting down"
+                if job.slot >= 0:
+                    log.info("slot  cancel_task: id %2d | task %d | %s", job.slot, job.task_id, why)
+                    log.info("slot      release: id %2d | task %d | stop processing", job.slot, job.task_id)
+                _deliver(job, Cancelled("cancelled" if job.cancelled else "server shutting down"))
+        if stop or bd.pending() == 0:
+            return stop
+        try:
+            bd.step()
+        except BaseException as e:   # one failed step fails the running jobs, not the server
+            log.error("batch step failed: %s", e)
+            self._fail_running(e)
+            return False
+        for rid, ev in bd.poll():
+            with self._lock:
+                job = self._running.get(rid)
+                if job is not None and isinstance(ev, Done):
+                    self._running.pop(rid, None)
+            if job is None:
+                continue
+            if isinstance(ev, Started):
+                job.slot = ev.slot
+                log.info("slot launch_slot_: id %2d | task %d | processing task (%d prompt tokens)",
+                         ev.slot, job.task_id, len(job.prompt_tokens))
+                continue
+            if isinstance(ev, Done):
+                for line in timing_log_lines(job.slot, job.task_id, ev.stats):
+                    log.info(line)
+                log.info("slot      release: id %2d | task %d | stop processing", job.slot, job.task_id)
+                self._count()
+            _deliver(job, ev)
+        return False
+
+
+def open_batched_pool(target: str, draft: Optional[str], *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int,
+                      threads, flash_attn: str, n_gpu_layers: int, n_max: int, verbose: bool = False,
+                      policy_factory=None) -> BatchedPool:
+    """A Speculator with ``n_slots`` sequences of ``n_ctx`` tokens each, wrapped in a BatchedPool;
+    ``policy_factory(sp)``: the VerifyPolicy of its decoder (None: verify every draft)."""
+    from pyllama_dspark.decode.api import Speculator
+
+    sp = Speculator(target, draft, n_ctx=n_ctx * n_slots, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
+                    flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose, n_seq=n_slots,
+                    schedule="off")   # the pool's decoder gets its policy from policy_factory
+    try:
+        return BatchedPool(sp, n_max=n_max, policy=policy_factory(sp) if policy_factory else None)
+    except BaseException:
+        sp.close()
+        raise
+
+
+__all__ = ["BatchedPool", "open_batched_pool"]

@@ -1,0 +1,293 @@
+"""OpenAI-compatible HTTP front end (FastAPI + uvicorn + sse-starlette) over a :class:`SlotPool`.
+
+Endpoints as llama-server serves them: ``POST /v1/chat/completions``, ``POST /v1/completions``
+(both also without ``/v1``; ``"stream": true`` sends server-sent events ending with
+``data: [DONE]``), ``GET /v1/models`` (and ``/models``), ``GET /health`` (and ``/v1/health``).
+Every non-streaming response and the last stream chunk carry llama-server's ``timings`` object.
+
+Errors are OpenAI-style bodies ``{"error": {"code", "message", "type"}}``: bad JSON / wrong types
+-> 400 ``invalid_request_error``, a prompt that does not fit the context -> 400
+``exceed_context_size_error``, a missing / wrong API key -> 401 ``authentication_error``,
+unknown routes -> 404, anything unexpected -> 500; the server keeps serving after each.
+A client that disconnects (streaming or not) cancels its generation and frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pyllama_dspark.serve import openai_format as fmt
+from pyllama_dspark.decode.cycle import Chunk, Done
+from pyllama_dspark.errors import ContextOverflowError
+from pyllama_dspark.serve.oai_request import GenRequest, RequestError, parse_request
+from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
+from pyllama_dspark.decode.timings import llama_timings
+from pyllama_dspark.spec.sampling import SamplingParams
+
+log = logging.getLogger("pyllama_dspark.serve.server")
+
+def sampling_defaults(p: SamplingParams) -> Dict[str, Any]:
+    """A request's sampling defaults (llama-server's request field names) from ``p``."""
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+            "seed": -1 if p.seed is None else p.seed, "repeat_penalty": p.repeat_penalty,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "penalty_last_n": p.penalty_last_n}
+
+
+# llama-server's sampling defaults (common_params_sampling, the SamplingParams defaults); `serve
+# --temp ...` changes them
+LLAMA_SERVER_SAMPLING = sampling_defaults(SamplingParams())
+
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerConfig:
+    model_id: str
+    api_key: Optional[str] = None
+    sampling_defaults: Dict[str, Any] = field(default_factory=lambda: dict(LLAMA_SERVER_SAMPLING))
+    model_meta: Dict[str, Any] = field(default_factory=dict)
+
+
+def sampling_for(req: GenRequest, defaults: Dict[str, Any]):
+    """SamplingParams for a request (None = plain greedy), or RequestError when the values are invalid."""
+    vals = dict(defaults)
+    vals.update(req.sampling)
+    if float(vals.get("temperature", 0.0)) <= 0.0:
+        # llama.cpp penalizes before its greedy pick: the penalties (only they) still apply at T = 0
+        pen = {k: vals[k] for k in ("repeat_penalty", "presence_penalty", "frequency_penalty", "penalty_last_n")
+               if k in vals}
+        try:
+            greedy = SamplingParams(temperature=0.0, **pen)
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e)) from e
+        return greedy if greedy.has_penalties else None
+    fields = SamplingParams.__dataclass_fields__
+    kw = {k: v for k, v in vals.items() if k in fields}
+    if kw.get("seed") is not None and int(kw["seed"]) < 0:
+        kw["seed"] = None
+    try:
+        return SamplingParams(**kw)
+    except (TypeError, ValueError) as e:
+        raise RequestError(str(e)) from e
+
+
+def prepare_prompt(pool: SlotPool, req: GenRequest) -> Tuple[List[int], List[str]]:
+    """Token ids and stop strings of a request; RequestError when it cannot be served."""
+    sp = pool.front
+    stop = list(req.stop)
+    if req.kind == "chat":
+        try:
+            cp = sp.chat_prompt(req.messages)
+        except ValueError as e:
+            raise RequestError(f"cannot apply the chat template: {e}", param="messages") from e
+        tokens, stop = list(cp.tokens), stop + list(cp.stop)
+    elif isinstance(req.prompt, str):
+        tokens = sp.tokenize(req.prompt)
+    else:
+        n_vocab = sp.target.n_vocab
+        bad = [t for t in req.prompt if t < 0 or t >= n_vocab]
+        if bad:
+            raise RequestError(f"prompt token ids must be in 0..{n_vocab - 1}, got {bad[:5]}", param="prompt")
+        tokens = list(req.prompt)
+    if not tokens:
+        raise RequestError("the prompt is empty after tokenization", param="prompt")
+    n_ctx = pool.n_ctx
+    if len(tokens) >= n_ctx:
+        raise RequestError(f"request ({len(tokens)} tokens) exceeds the available context size ({n_ctx} tokens), "
+                           f"try increasing it", type="exceed_context_size_error", code=400)
+    return tokens, stop
+
+
+def _error_response(e: RequestError) -> JSONResponse:
+    return JSONResponse(fmt.error_body(e.message, e.type, e.code, e.param), status_code=e.code)
+
+
+def _engine_error(e: BaseException) -> RequestError:
+    if isinstance(e, (ContextOverflowError, ValueError)):
+        return RequestError(str(e))
+    return RequestError(f"generation failed: {e}", type="server_error", code=500)
+
+
+def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # the server is stopping: cancel what is still queued or running and free the contexts
+        # (waits for a close already under way, e.g. started by the signal handler of `serve`)
+        await run_in_threadpool(pool.close)
+
+    app = FastAPI(title="pyllama-dspark", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.pool = pool
+    app.state.config = config
+
+    # ---- errors --------------------------------------------------------------------------------
+    @app.exception_handler(RequestError)
+    async def _on_request_error(request: Request, e: RequestError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request: Request, e: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return JSONResponse(fmt.error_body(str(e.detail), kind, e.status_code), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _on_error(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(fmt.error_body(f"internal error: {e}", "server_error", 500), status_code=500)
+
+    def _auth(request: Request) -> None:
+        key = config.api_key
+        if not key:
+            return
+        given = request.headers.get("authorization") or request.headers.get("x-api-key") or ""
+        if given.startswith("Bearer "):
+            given = given[len("Bearer "):]
+        if given != key:
+            log.warning("unauthorized: Invalid API Key")
+            raise RequestError("Invalid API Key", type="authentication_error", code=401)
+
+    async def _body(request: Request) -> Any:
+        raw = await request.body()
+        if not raw.strip():
+            raise RequestError("the request body is empty; expected a JSON object")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(f"invalid JSON in the request body: {e}") from e
+
+    # ---- simple endpoints ----------------------------------------------------------------------
+    @app.get("/health")
+    @app.get("/v1/health")
+    async def health():
+        return {"status": "ok", "slots_idle": pool.n_slots - pool.n_busy, "slots_processing": pool.n_busy}
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models(request: Request):
+        _auth(request)
+        return fmt.models_list(config.model_id, config.model_meta)
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def _start(request: Request, kind: str):
+        _auth(request)
+        req = parse_request(await _body(request), kind)
+        sampling = sampling_for(req, config.sampling_defaults)
+        tokens, stop = await run_in_threadpool(prepare_prompt, pool, req)
+        max_tokens = req.max_tokens if req.max_tokens > 0 else pool.n_ctx
+        loop = asyncio.get_running_loop()
+        events: "asyncio.Queue[Any]" = asyncio.Queue()
+
+        def on_event(ev: Any) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        job = Job(tokens, max_tokens, on_event, stop=stop, sampling=sampling, ignore_eos=req.ignore_eos)
+        try:
+            pool.submit(job)
+        except RuntimeError as e:   # the pool is closed: the server is shutting down
+            raise RequestError(f"the server is shutting down ({e})", type="unavailable_error", code=503) from e
+        return req, job, events
+
+    async def _complete(request: Request, kind: str):
+        req, job, events = await _start(request, kind)
+        loop_time = asyncio.get_running_loop().time
+        model = req.model or config.model_id
+        if req.stream:
+            return EventSourceResponse(_stream(req, job, events, kind, model), sep="\n", ping=15)
+        try:
+            next_poll = loop_time() + _DISCONNECT_POLL_S
+            while True:
+                try:
+                    ev = await asyncio.wait_for(events.get(), max(0.0, next_poll - loop_time()))
+                except asyncio.TimeoutError:
+                    ev = None
+                if loop_time() >= next_poll:
+                    # by the clock, not only when no event came: a non-streaming job emits events
+                    # all the time while it decodes
+                    next_poll = loop_time() + _DISCONNECT_POLL_S
+                    if await request.is_disconnected():
+                        log.info("task %d: client disconnected, cancelling", job.task_id)
+                        job.cancel()
+                        return JSONResponse(fmt.error_body("client disconnected", "server_error", 499),
+                                            status_code=499)
+                if ev is None:
+                    continue
+                if isinstance(ev, Done):
+                    break
+                if isinstance(ev, Cancelled):
+                    raise RequestError("the request was cancelled", type="unavailable_error", code=503)
+                if isinstance(ev, BaseException):
+                    raise _engine_error(ev)
+        finally:
+            job.cancel()  # no-op once finished; stops the generation if this handler is cancelled
+        t = llama_timings(ev.stats)
+        cid = fmt.new_id(kind)
+        n_prompt, n_gen = ev.stats.n_prompt, ev.stats.n_generated
+        if kind == "chat":
+            return fmt.chat_completion(cid, model, ev.text, ev.finish_reason, n_prompt, n_gen, t)
+        return fmt.text_completion(cid, model, ev.text, ev.finish_reason, n_prompt, n_gen, t)
+
+    async def _stream(req: GenRequest, job: Job, events: "asyncio.Queue[Any]", kind: str, model: str):
+        cid, created = fmt.new_id(kind), int(time.time())
+
+        def chunk(text: Optional[str] = None, finish: Optional[str] = None, timings=None, role: bool = False):
+            if kind == "chat":
+                delta: Dict[str, Any] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                return json.dumps(fmt.chat_chunk(cid, model, created, delta, finish, timings))
+            return json.dumps(fmt.text_chunk(cid, model, created, text or "", finish, timings))
+
+        try:
+            if kind == "chat":
+                yield {"data": chunk(role=True, text="")}
+            while True:
+                ev = await events.get()
+                if isinstance(ev, Chunk):
+                    if ev.text:
+                        yield {"data": chunk(ev.text)}
+                elif isinstance(ev, Done):
+                    t = llama_timings(ev.stats)
+                    if req.include_usage:
+                        yield {"data": chunk(finish=ev.finish_reason)}
+                        yield {"data": json.dumps(fmt.usage_chunk(kind, cid, model, created, ev.stats.n_prompt,
+                                                                  ev.stats.n_generated, t))}
+                    else:
+                        yield {"data": chunk(finish=ev.finish_reason, timings=t)}
+                    yield {"data": "[DONE]"}
+                    return
+                elif isinstance(ev, Cancelled):
+                    return
+                elif isinstance(ev, BaseException):
+                    e = _engine_error(ev)
+                    yield {"data": json.dumps(fmt.error_body(e.message, e.type, e.code))}
+                    return
+        finally:
+            # normal end: no-op; client gone (generator cancelled / closed): stop the generation
+            job.cancel()
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat_completions(request: Request):
+        return await _complete(request, "chat")
+
+    @app.post("/v1/completions")
+    @app.post("/completions")
+    async def completions(request: Request):
+        return await _complete(request, "completion")
+
+    return app

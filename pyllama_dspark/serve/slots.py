@@ -1,0 +1,237 @@
+"""Server slots: N generation workers, each owning a Speculator, fed from one FIFO queue.
+
+llama-server's ``-np N`` gives N slots; a request waits in the queue until a slot is free.  Here a
+slot is a thread with its own target + draft contexts (the GGUF weights are memory-mapped, so the
+N copies share the model pages).  llama.cpp calls release the GIL, so the slots really decode
+concurrently.  This is ``serve -np N -nocb``; by default N > 1 slots are decoded together by one
+batched decoder behind the same interface (:class:`~.batch_pool.BatchedPool`).
+
+A :class:`Job` carries a cancel flag (a client that went away): a queued job is dropped when a slot
+takes it, a running one stops at the next cycle boundary, and the slot is free again.  Events
+(``Chunk``, ``Done``, or an exception) reach the caller through ``job.on_event`` from the worker
+thread; the server forwards them into its event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence
+
+from pyllama_dspark.decode.cycle import Done
+from pyllama_dspark.decode.timings import timing_log_lines
+
+log = logging.getLogger("pyllama_dspark.serve.server")
+
+
+class Cancelled(Exception):
+    """The job was cancelled before it finished (the client disconnected)."""
+
+
+@dataclass
+class Job:
+    prompt_tokens: List[int]
+    max_tokens: int
+    on_event: Callable[[Any], None]
+    stop: Sequence[str] = ()
+    sampling: Any = None
+    ignore_eos: bool = False
+    task_id: int = -1
+    slot: int = -1
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancel_event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
+
+
+class JobQueue:
+    """What every pool shares: the FIFO of jobs, task ids, counters and the lock over them."""
+
+    def _init_jobs(self) -> None:
+        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._task_ids = itertools.count()
+        self._lock = threading.Lock()
+        self.n_done = 0
+        self.n_cancelled = 0
+        self._closed = False
+        self._close_done = threading.Event()
+
+    @property
+    def n_queued(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> Job:
+        # under the lock: a job is either queued before close() drains the queue, or refused
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the slot pool is closed")
+            job.task_id = next(self._task_ids)
+            self._queue.put(job)
+        return job
+
+    def _mark_closed(self) -> bool:
+        """Refuse new jobs from now on; True for the call that closes the pool (it calls
+        :meth:`_closed_now` when done).  Any later call waits until that close is over, so that
+        nobody frees what the pool uses while it is still being shut down."""
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+        if not first:
+            self._close_done.wait()
+        return first
+
+    def _closed_now(self) -> None:
+        self._close_done.set()
+
+    def _count(self, cancelled: bool = False) -> None:
+        with self._lock:
+            if cancelled:
+                self.n_cancelled += 1
+            else:
+                self.n_done += 1
+
+    def _cancel_queued(self) -> None:
+        """Every job still in the queue is cancelled and told so (shutdown); sentinels are dropped."""
+        pending = []
+        while True:
+            try:
+                j = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if j is not None:
+                j.cancel()
+                pending.append(j)
+        for j in pending:
+            _deliver(j, Cancelled("server shutting down"))
+
+
+class SlotPool(JobQueue):
+    """``n_slots`` workers over Speculators made by ``factory(slot_index)``."""
+
+    def __init__(self, factory: Callable[[int], Any], n_slots: int = 1):
+        if int(n_slots) < 1:
+            raise ValueError(f"the number of slots must be >= 1, got {n_slots}")
+        self.speculators: List[Any] = []
+        try:
+            for i in range(int(n_slots)):
+                self.speculators.append(factory(i))
+        except BaseException:
+            for sp in self.speculators:
+                sp.close()
+            raise
+        self._init_jobs()
+        self.busy = [False] * len(self.speculators)
+        self._running: List[Optional[Job]] = [None] * len(self.speculators)
+        self._threads = [threading.Thread(target=self._work, args=(i,), name=f"dspark-slot-{i}", daemon=True)
+                         for i in range(len(self.speculators))]
+        for t in self._threads:
+            t.start()
+
+    # ---- properties ------------------------------------------------------------------------------
+    @property
+    def n_slots(self) -> int:
+        return len(self.speculators)
+
+    @property
+    def front(self):
+        """A Speculator for tokenizing and chat templates (read-only vocabulary use, thread-safe)."""
+        return self.speculators[0]
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.front.target.n_ctx)
+
+    @property
+    def n_busy(self) -> int:
+        with self._lock:
+            return sum(self.busy)
+
+    # ---- jobs --------------------------------------------------------------------------------------
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Cancel what is queued or running and stop the workers.  A worker still inside a decode
+        after ``timeout`` seconds keeps its contexts (freeing them under a running decode would
+        crash the process): they are leaked, with a warning."""
+        if not self._mark_closed():
+            return
+        try:
+            self._cancel_queued()
+            with self._lock:
+                running = [j for j in self._running if j is not None]
+            for j in running:
+                j.cancel()
+            for _ in self._threads:
+                self._queue.put(None)
+            for slot, (t, sp) in enumerate(zip(self._threads, self.speculators)):
+                t.join(timeout=timeout)
+                if t.is_alive():
+                    log.warning("slot %d: still decoding %.0f s after close(); its contexts are not freed", slot,
+                                timeout)
+                    continue
+                sp.close()
+        finally:
+            self._closed_now()
+
+    # ---- worker ------------------------------------------------------------------------------------
+    def _work(self, slot: int) -> None:
+        sp = self.speculators[slot]
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job.slot = slot
+            if job.cancelled:
+                self._count(cancelled=True)
+                _deliver(job, Cancelled("cancelled while queued"))
+                continue
+            with self._lock:
+                self.busy[slot] = True
+                self._running[slot] = job
+            log.info("slot launch_slot_: id %2d | task %d | processing task (%d prompt tokens)",
+                     slot, job.task_id, len(job.prompt_tokens))
+            try:
+                self._run(sp, slot, job)
+            except BaseException as e:  # never let a request kill the slot
+                log.error("slot   send_error: id %2d | task %d | error: %s", slot, job.task_id, e)
+                _deliver(job, e)
+            finally:
+                with self._lock:
+                    self.busy[slot] = False
+                    self._running[slot] = None
+                log.info("slot      release: id %2d | task %d | stop processing", slot, job.task_id)
+
+    def _run(self, sp, slot: int, job: Job) -> None:
+        kw = {"stop": list(job.stop), "ignore_eos": job.ignore_eos}
+        if job.sampling is not None:
+            kw["sampling"] = job.sampling
+        gen = sp.stream(job.prompt_tokens, job.max_tokens, **kw)
+        try:
+            for ev in gen:
+                if job.cancelled:
+                    self._count(cancelled=True)
+                    why = "cancelled: server shutting down" if self._closed else "cancelled by the client"
+                    log.info("slot  cancel_task: id %2d | task %d | %s", slot, job.task_id, why)
+                    _deliver(job, Cancelled("server shutting down" if self._closed else "cancelled"))
+                    return
+                if isinstance(ev, Done):
+                    for line in timing_log_lines(slot, job.task_id, ev.stats):
+                        log.info(line)
+                    self._count()
+                _deliver(job, ev)
+        finally:
+            gen.close()
+
+
+
+def _deliver(job: Job, ev: Any) -> None:
+    try:
+        job.on_event(ev)
+    except Exception as e:  # the receiver is gone (event loop closed): nothing to do
+        log.debug("task %d: event not delivered: %s", job.task_id, e)

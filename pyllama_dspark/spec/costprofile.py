@@ -1,0 +1,274 @@
+"""Cost profile of this machine: target decode time per verify batch B, draft block cost, overhead.
+
+``measure()`` runs real decodes (interleaved: every repeat visits B = 1..B_max in a fresh shuffled
+order, so machine noise spreads over all B) and reports the median and the p10-p90 spread; the
+result is cached as JSON keyed by the model files, n_ctx, threads, flash attention and offload, and
+turned into a :class:`~pyllama_dspark.spec.schedule.CostModel` for the scheduler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from pyllama_dspark.spec.schedule import CostModel
+
+PROFILE_VERSION = 1
+
+
+@dataclass
+class Profile:
+    key: str
+    settings: dict
+    batch_sizes: List[int]
+    verify_ms: List[float]          # median per B
+    verify_p10: List[float]
+    verify_p90: List[float]
+    draft_ms: float                 # one draft block pass (median), 0 without a draft
+    draft_spread: List[float] = field(default_factory=lambda: [0.0, 0.0])
+    overhead_ms: float = 0.0        # Python + inject per cycle
+    repeats: int = 0
+    version: int = PROFILE_VERSION
+    # costs given rather than measured (e.g. a test's): the policy keeps draft_ms instead of
+    # learning the draft pass time from the clock, so its decisions are deterministic
+    fixed: bool = False
+
+    def cost_model(self) -> CostModel:
+        return CostModel(self.verify_ms, draft_ms=[self.draft_ms], overhead_ms=self.overhead_ms)
+
+    def table(self) -> str:
+        lines = [f"{'B':>3} {'ms median':>10} {'p10':>8} {'p90':>8} {'steps/s':>8} {'ms/token':>9}"]
+        for b, m, lo, hi in zip(self.batch_sizes, self.verify_ms, self.verify_p10, self.verify_p90):
+            lines.append(f"{b:>3} {m:>10.2f} {lo:>8.2f} {hi:>8.2f} {1e3 / m:>8.1f} {m / b:>9.2f}")
+        lines.append(f"draft block {self.draft_ms:.2f} ms (p10-p90 {self.draft_spread[0]:.2f}-{self.draft_spread[1]:.2f}), "
+                     f"overhead {self.overhead_ms:.3f} ms/cycle, {self.repeats} repeats")
+        return "\n".join(lines)
+
+
+def _file_id(path: Optional[str]) -> str:
+    if not path:
+        return "-"
+    st = os.stat(path)
+    return f"{os.path.realpath(path)}:{st.st_size}:{int(st.st_mtime)}"
+
+
+def profile_key(target: str, draft: Optional[str], n_ctx: int, n_threads: int, flash_attn: str,
+                n_gpu_layers: int, b_max: int) -> str:
+    raw = json.dumps([PROFILE_VERSION, _file_id(target), _file_id(draft), n_ctx, n_threads, flash_attn,
+                      n_gpu_layers, b_max])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def default_path(key: str) -> Path:
+    from pyllama_dspark.paths import cache_dir
+
+    d = cache_dir() / "profiles"
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{key}.json"
+
+
+def load(path) -> Profile:
+    data = json.loads(Path(path).read_text())
+    if data.get("version") != PROFILE_VERSION:
+        raise ValueError(f"{path}: profile version {data.get('version')} != {PROFILE_VERSION}")
+    return Profile(**data)
+
+
+def save(profile: Profile, path) -> None:
+    p = Path(path)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(profile), indent=1))
+    os.replace(tmp, p)
+
+
+def _verify_curve(tgt, b_max: int, repeats: int, budget_s: float, seed: int, progress, on_prefill=None,
+                  after_round=None):
+    """Target decode ms per verify batch B = 1..b_max after a short prompt on sequence 0: rounds
+    over every B in a fresh shuffled order (machine noise spreads over all B); after the first
+    round, stops once ``budget_s`` is spent.  Returns (times per B, rounds, the prompt)."""
+    rng = np.random.default_rng(seed)
+    prompt = np.asarray(tgt.tokenize("The quick brown fox jumps over the lazy dog. " * 6), dtype=np.int32)
+    prompt = prompt[: max(1, min(len(prompt), tgt.n_ctx - b_max - 1))]
+    n0 = len(prompt)
+    tgt.seq_rm(0, 0, -1)
+    tgt.decode(prompt, 0, all_outputs=False)
+    if on_prefill is not None:
+        on_prefill(prompt)
+    toks = rng.integers(100, min(tgt.n_vocab, 20000), size=b_max).astype(np.int32)
+    ids = np.zeros(b_max, dtype=np.int32)
+    margin = np.zeros(b_max, dtype=np.float32)
+    times = {b: [] for b in range(1, b_max + 1)}
+    t_start = time.perf_counter()
+    done = r = 0
+    while r < repeats:
+        for b in rng.permutation(np.arange(1, b_max + 1)):
+            if r >= 1 and time.perf_counter() - t_start > budget_s:
+                return times, r, prompt   # past the budget: every B has its samples of whole rounds
+            t0 = time.perf_counter()
+            tgt.decode(toks[:b], n0, all_outputs=True)
+            tgt.argmax(0, int(b), ids, margin)
+            times[int(b)].append((time.perf_counter() - t0) * 1e3)
+            tgt.seq_rm(0, n0, -1)
+            done += 1
+            if progress:
+                progress(done, repeats * b_max)
+        r += 1
+        if after_round is not None:
+            after_round()
+    return times, r, prompt
+
+
+def measure(sp, *, b_max: int = 32, repeats: int = 5, seed: int = 0,
+            progress: Optional[Callable[[int, int], None]] = None) -> Profile:
+    """Profile an open :class:`~pyllama_dspark.decode.api.Speculator` (target, optional draft)."""
+    from pyllama_dspark.spec.drafter import DraftModelProposer
+
+    if b_max < 1 or repeats < 1:
+        raise ValueError("b_max and repeats must be >= 1")
+    tgt = sp.target
+    if b_max > tgt.n_batch:
+        raise ValueError(f"b_max {b_max} exceeds n_batch {tgt.n_batch}")
+    draft_times: List[float] = []
+    prop = sp.proposer if isinstance(sp.proposer, DraftModelProposer) else None
+    state = {}
+
+    def prefill(prompt):
+        state["n0"], state["anchor"] = len(prompt), int(prompt[-1])
+        if prop is not None:
+            prop.reset()
+            prop.observe(0, len(prompt), 0)
+
+    def draft_round():
+        if prop is not None:
+            t0 = time.perf_counter()
+            prop.propose(int(state["anchor"]), state["n0"], prop.max_draft())
+            draft_times.append((time.perf_counter() - t0) * 1e3)
+
+    times, _, prompt = _verify_curve(tgt, b_max, repeats, float("inf"), seed, progress, prefill, draft_round)
+    # per-cycle overhead: a short real generation
+    overhead = 0.0
+    done_gen = sp.generate(prompt.tolist(), 24, ignore_eos=True)
+    st = done_gen.stats
+    if st.cycles:
+        overhead = (st.ms_overhead + st.ms_inject) / st.cycles
+    s = sp.settings
+    key = profile_key(tgt.path, getattr(sp.draft, "path", None), s.n_ctx, s.n_threads or 0, s.flash_attn,
+                      s.n_gpu_layers, b_max)
+    bs = list(range(1, b_max + 1))
+    q = lambda b, p: float(np.percentile(times[b], p))  # noqa: E731
+    return Profile(
+        key=key,
+        settings=dict(target=tgt.path, draft=getattr(sp.draft, "path", None), n_ctx=s.n_ctx, n_threads=s.n_threads,
+                      flash_attn=s.flash_attn, n_gpu_layers=s.n_gpu_layers, b_max=b_max),
+        batch_sizes=bs, verify_ms=[q(b, 50) for b in bs], verify_p10=[q(b, 10) for b in bs],
+        verify_p90=[q(b, 90) for b in bs],
+        draft_ms=float(np.median(draft_times)) if draft_times else 0.0,
+        draft_spread=[float(np.percentile(draft_times, 10)), float(np.percentile(draft_times, 90))] if draft_times else [0.0, 0.0],
+        overhead_ms=overhead, repeats=repeats)
+
+
+def load_or_measure(sp, *, path=None, b_max: int = 32, repeats: int = 5, remeasure: bool = False,
+                    progress=None) -> Profile:
+    """The cached profile for these settings, measuring it on first use."""
+    s = sp.settings
+    key = profile_key(sp.target.path, getattr(sp.draft, "path", None), s.n_ctx, s.n_threads or 0, s.flash_attn,
+                      s.n_gpu_layers, b_max)
+    p = Path(path) if path else default_path(key)
+    if p.exists() and not remeasure:
+        try:
+            prof = load(p)
+        except (ValueError, TypeError):   # another profile version, or a damaged file: measure again
+            prof = None
+        if prof is not None and (prof.key == key or path):
+            return prof
+    prof = measure(sp, b_max=b_max, repeats=repeats, progress=progress)
+    save(prof, p)
+    return prof
+
+
+# ---- the automatic schedule's cost curve ---------------------------------------------------------
+
+#: A cost profile file used for every target instead of the cache / a measurement (tests, or a
+#: curve measured elsewhere).
+PROFILE_ENV = "PYLLAMA_DSPARK_COST_PROFILE"
+AUTO_B_MAX = 32
+AUTO_BUDGET_S = 15.0
+
+
+def measure_target(target, *, b_max: int = AUTO_B_MAX, repeats: int = 5, budget_s: float = AUTO_BUDGET_S,
+                   seed: int = 0, progress: Optional[Callable[[int, int], None]] = None) -> Profile:
+    """The target's verify cost curve alone (B = 1..b_max, interleaved rounds: one whole, then
+    more while within ``budget_s``).  The draft pass cost is left to the policy, which measures the
+    draft actually in use on its first block.  Uses (and clears) sequence 0 of the target."""
+    b_max = max(1, min(b_max, target.n_batch))
+    try:
+        times, r, _ = _verify_curve(target, b_max, repeats, budget_s, seed, progress)
+    finally:
+        target.seq_rm(0, 0, -1)
+    s = target.settings
+    bs = list(range(1, b_max + 1))
+    q = lambda b, p: float(np.percentile(times[b], p))  # noqa: E731
+    return Profile(
+        key=target_key(target), settings=dict(target=target.path, draft=None, n_ctx=s.n_ctx, n_threads=s.n_threads,
+                                              flash_attn=s.flash_attn, n_gpu_layers=s.n_gpu_layers, b_max=b_max),
+        batch_sizes=bs, verify_ms=[q(b, 50) for b in bs], verify_p10=[q(b, 10) for b in bs],
+        verify_p90=[q(b, 90) for b in bs], draft_ms=0.0, overhead_ms=0.0, repeats=r)
+
+
+def target_key(target) -> str:
+    s = target.settings
+    return profile_key(target.path, None, s.n_ctx, s.n_threads or 0, s.flash_attn, s.n_gpu_layers,
+                       min(AUTO_B_MAX, target.n_batch))
+
+
+def known_profile(target) -> Optional[Profile]:
+    """The profile :func:`auto_profile` returns without measuring ($PYLLAMA_DSPARK_COST_PROFILE or
+    the cached one for this target and settings), or None when it would have to measure."""
+    env = os.environ.get(PROFILE_ENV)
+    if env:
+        return load(env)
+    key = target_key(target)
+    path = default_path(key)
+    if path.exists():
+        try:
+            prof = load(path)
+            if prof.key == key:
+                return prof
+        except (ValueError, TypeError, json.JSONDecodeError):
+            pass
+    return None
+
+
+def auto_profile(target, echo: Optional[Callable[[str], None]] = None, progress: bool = True) -> Profile:
+    """The cost profile the automatic schedule uses for this target and settings: the file in
+    $PYLLAMA_DSPARK_COST_PROFILE, else the cached one, else measured now (<= ~20 s, a progress bar
+    on stderr) and cached."""
+    prof = known_profile(target)
+    if prof is not None:
+        return prof
+    path = default_path(target_key(target))
+    say = echo or (lambda m: print(m, file=sys.stderr, flush=True))
+    say(f"pyllama-dspark: measuring this machine's verify cost curve for {os.path.basename(target.path)} "
+        f"(target decodes of 1..{min(AUTO_B_MAX, target.n_batch)} rows, once; cached in {path})")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="cost profile", unit="decode", leave=False, file=sys.stderr)
+
+        def tick(done, total):
+            bar.total = total
+            bar.update(done - bar.n)
+    prof = measure_target(target, progress=tick if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    save(prof, path)
+    return prof

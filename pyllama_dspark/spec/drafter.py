@@ -1,0 +1,286 @@
+"""Proposal sources behind one protocol: a DSpark/DFlash draft model, nothing, or (tests) an oracle.
+
+The engine calls, per sequence:
+  ``observe(row0, n, pos0)``  after a target decode: rows row0..row0+n-1 of that decode are now
+                              committed at positions pos0.. (their captured features may be used);
+  ``propose(anchor, pos0, n_draft)`` -> Proposal: up to n_draft tokens following ``anchor`` (which
+                              sits at position pos0 and is not yet in the target memory);
+  ``rollback(p0)``            positions >= p0 were rejected: forget them;
+  ``reset()``                 before a new generation.
+  ``observe_later(...)``      as observe, after a cycle that drafted nothing: the rows may be kept
+                              and folded in by the next proposal (a draft model keeps the captured
+                              features on the host and injects them in one batch when drafting
+                              resumes, so cycles without drafts cost what plain decoding costs).
+
+Like llama.cpp's server, the engine always asks for a full ``n_max`` block and truncates the
+proposal itself when fewer tokens may be drafted (near max_tokens / the end of the context): the
+block is non-causal, so its length changes what the draft predicts.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from pyllama_dspark.llama.handles import Draft
+
+
+@dataclass
+class Proposal:
+    tokens: np.ndarray                      # int32 [k]
+    confidence: Optional[np.ndarray] = None  # float32 [k] (P(accepted | prefix accepted)), if known
+    # T > 0 only: probs[i] is the distribution tokens[i] was drawn from (float64 [k, n_vocab] or a
+    # sequence of such rows); None means a deterministic proposal (q = one-hot at tokens[i])
+    probs: Optional[Sequence[np.ndarray]] = None
+
+
+EMPTY = Proposal(np.zeros(0, dtype=np.int32))
+
+#: Host memory one sequence may hold in deferred feature rows before they are injected in one
+#: batch anyway ($PYLLAMA_DSPARK_DEFER_MB, default 64 MiB: ~5,800 rows of SmolLM2's 5 x 576
+#: features, ~800 rows of a 20k-wide target).
+DEFER_BYTES = int(float(os.environ.get("PYLLAMA_DSPARK_DEFER_MB", "64")) * (1 << 20))
+
+
+class _Deferred:
+    """Feature rows of one sequence captured but not yet injected: contiguous positions pos0.."""
+
+    __slots__ = ("pos0", "rows", "n", "nbytes")
+
+    def __init__(self, pos0: int):
+        self.pos0 = pos0
+        self.rows: List[np.ndarray] = []
+        self.n = 0
+        self.nbytes = 0
+
+    def add(self, rows: np.ndarray) -> None:
+        self.rows.append(rows)
+        self.n += rows.shape[0]
+        self.nbytes += rows.nbytes
+
+    def truncate(self, p0: int) -> None:
+        """Drop the rows at positions >= p0."""
+        keep = max(0, p0 - self.pos0)
+        if keep >= self.n:
+            return
+        out, left = [], keep
+        for r in self.rows:
+            if left <= 0:
+                break
+            out.append(r[:left])
+            left -= r.shape[0]
+        self.rows = out
+        self.n = keep
+        self.nbytes = sum(r.nbytes for r in out)
+
+
+class Proposer:
+    name = "none"
+
+    def max_draft(self) -> int:
+        return 0
+
+    def reset(self, seq_id: int = 0) -> None:
+        pass
+
+    def observe(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        pass
+
+    def observe_later(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        """Like :meth:`observe` after a cycle that drafted nothing: a proposer may keep the rows
+        and fold them in when it next proposes (no per-cycle draft work while drafting is off)."""
+        self.observe(row0, n, pos0, seq_id)
+
+    def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
+        return EMPTY
+
+    def propose_sampled(self, anchor: int, pos0: int, n_draft: int, sampler, seq_id: int = 0) -> Proposal:
+        """Temperature > 0: drafts drawn with ``sampler`` (a :class:`~.sampling.TokenSampler`) and
+        the distributions they were drawn from (``Proposal.probs``).
+
+        The default is the deterministic proposal (``probs`` None: q is one-hot at each token),
+        which speculative sampling verifies losslessly too."""
+        return self.propose(anchor, pos0, n_draft, seq_id)
+
+    def rollback(self, p0: int, seq_id: int = 0) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class NoDraft(Proposer):
+    """Plain target decoding (one token per cycle)."""
+
+
+class DraftModelProposer(Proposer):
+    """A DFlash / DSpark block drafter running in its llama.cpp context.
+
+    DSpark with ``sample_from_anchor`` (anchor-first): block [anchor, mask x (k-1)], row i predicts
+    the token at pos0+1+i -> k drafts from k rows.  DFlash (and bonus-anchor DSpark): block
+    [anchor, mask x k], drafts read from rows 1..k.  The greedy Markov chain runs inside llama.cpp's
+    draft graph, so the argmax of each row is the DSpark greedy draft.
+    """
+
+    def __init__(self, draft: Draft, conditioning: str = "sampled"):
+        self.draft = draft
+        m = draft.meta
+        self.meta = m
+        self.name = m.kind
+        self.conditioning = conditioning
+        self._block_sampler = None  # built on the first T > 0 proposal (loads the Markov head)
+        self._markov = None
+        self.offset = m.block_offset
+        self._max = max(0, m.block_size - self.offset)
+        cap = m.block_size + 1
+        self._block = np.full(cap, m.mask_token_id, dtype=np.int32)
+        self._ids = np.zeros(cap, dtype=np.int32)
+        self._margin = np.zeros(cap, dtype=np.float32)
+        self._conf = np.zeros(cap, dtype=np.float32)
+        self._deferred: Dict[int, _Deferred] = {}
+        self.defer_bytes = DEFER_BYTES
+        self.n_deferred_injections = 0     # catch-up injections made (rows folded in at once)
+
+    def max_draft(self) -> int:
+        return self._max
+
+    def reset(self, seq_id: int = 0) -> None:
+        self._deferred.pop(seq_id, None)
+        self.draft.seq_rm(seq_id, 0, -1)
+
+    def observe(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        self.catch_up(seq_id)
+        self.draft.inject_captured(row0, n, pos0, seq_id)
+
+    def observe_later(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        """Copy the captured rows to the host (a few KB per token); they are injected in one batch
+        by :meth:`catch_up` before the next block, or once the buffer passes ``defer_bytes``."""
+        dq = self._deferred.get(seq_id)
+        if dq is not None and dq.pos0 + dq.n != pos0:   # not contiguous (cannot happen in the loops)
+            self.catch_up(seq_id)
+            dq = None
+        if dq is None:
+            dq = self._deferred[seq_id] = _Deferred(pos0)
+        dq.add(self.draft.target.features(row0, n))
+        if dq.nbytes > self.defer_bytes:
+            self.catch_up(seq_id)
+
+    def catch_up(self, seq_id: int = 0) -> None:
+        """Inject the deferred feature rows of ``seq_id`` (one batched injection)."""
+        dq = self._deferred.pop(seq_id, None)
+        if dq is None or dq.n == 0:
+            return
+        rows = dq.rows[0] if len(dq.rows) == 1 else np.concatenate(dq.rows)
+        self.draft.inject(rows, np.arange(dq.pos0, dq.pos0 + dq.n, dtype=np.int32), seq_id)
+        self.n_deferred_injections += 1
+
+    def deferred_rows(self, seq_id: int = 0) -> int:
+        dq = self._deferred.get(seq_id)
+        return 0 if dq is None else dq.n
+
+    def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
+        if n_draft <= 0:
+            return EMPTY
+        self.catch_up(seq_id)
+        n_draft = min(n_draft, self._max)
+        n_block = n_draft + self.offset
+        block = self._block[:n_block]
+        block[0] = anchor
+        block[1:] = self.meta.mask_token_id
+        d = self.draft
+        d.decode_block(block, pos0, seq_id)
+        d.argmax(self.offset, n_draft, self._ids, self._margin)
+        conf = None
+        if self.meta.has_confidence:
+            d.confidence(self.offset, n_draft, self._conf)
+            conf = self._conf[:n_draft].copy()
+        # the block is non-causal: its noise K/V must not survive into the next block
+        d.seq_rm(seq_id, pos0, -1)
+        return Proposal(self._ids[:n_draft].copy(), conf)
+
+    @property
+    def block_sampler(self):
+        """The :class:`~.draft_sampling.BlockSampler` T > 0 proposals use (built on first use)."""
+        return self._sampler()
+
+    def _sampler(self):
+        if self._block_sampler is None:
+            from pyllama_dspark.spec.draft_sampling import BlockSampler, read_conf_head, read_d2t
+            from pyllama_dspark.llama.handles import MarkovHead
+
+            d, m = self.draft, self.meta
+            markov = conf = d2t = None
+            if m.has_markov:
+                s = d.settings
+                # one thread: a [rank x n_vocab] product per call is too small to gain from a pool,
+                # and a pool on a busy machine costs far more than it saves
+                markov = MarkovHead(d.path, use_gpu=s.n_gpu_layers > 0, n_threads=1)
+                self._markov = markov
+                if m.has_confidence:
+                    conf = read_conf_head(d.path, d.n_embd, markov.rank)
+            if m.has_d2t:
+                d2t = read_d2t(d.path)
+            self._block_sampler = BlockSampler(d, markov, conf, d2t, self.conditioning)
+        return self._block_sampler
+
+    def propose_sampled(self, anchor: int, pos0: int, n_draft: int, sampler, seq_id: int = 0) -> Proposal:
+        """T > 0: the block decode as for greedy, then drafts drawn left to right from
+        chain(U_k + B(x_{k-1})) with x_{k-1} the token drawn before (see :mod:`.draft_sampling`)."""
+        if n_draft <= 0:
+            return EMPTY
+        bs = self._sampler()
+        self.catch_up(seq_id)
+        n_draft = min(n_draft, self._max)
+        n_block = n_draft + self.offset
+        block = self._block[:n_block]
+        block[0] = anchor
+        block[1:] = self.meta.mask_token_id
+        d = self.draft
+        d.decode_block(block, pos0, seq_id, hidden=bs.conf is not None and bs.conditioning == "sampled")
+        tokens, q, conf = bs.sample(self.offset, n_draft, sampler)
+        d.seq_rm(seq_id, pos0, -1)
+        return Proposal(tokens, conf, q)
+
+    def rollback(self, p0: int, seq_id: int = 0) -> None:
+        dq = self._deferred.get(seq_id)
+        if dq is not None:
+            dq.truncate(p0)
+        self.draft.seq_rm(seq_id, p0, -1)
+
+    def close(self) -> None:
+        self._deferred.clear()
+        if self._markov is not None:
+            self._markov.close()
+            self._markov = None
+        self.draft.close()
+
+
+def observe_later(prop, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+    """``prop.observe_later`` for any proposer (a duck-typed one without it observes now)."""
+    fn = getattr(prop, "observe_later", None)
+    (fn or prop.observe)(row0, n, pos0, seq_id)
+
+
+def check_n_max(n_max: int) -> int:
+    """The one check of a requested draft size (before any model is opened)."""
+    if int(n_max) <= 0:
+        raise ValueError(f"n_max must be >= 1, got {n_max}")
+    return int(n_max)
+
+
+def clamp_n_max(n_max: int, proposer: Proposer) -> int:
+    """Validate n_max and clamp it to what the drafter was trained for (with a warning, as llama.cpp)."""
+    check_n_max(n_max)
+    limit = proposer.max_draft()
+    if isinstance(proposer, NoDraft):
+        return 0
+    if n_max > limit:
+        warnings.warn(
+            f"requested n_max={n_max} exceeds what the {proposer.name} draft can produce per block "
+            f"({limit}); clamping to {limit}", stacklevel=3)
+        return limit
+    return int(n_max)

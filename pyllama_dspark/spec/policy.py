@@ -1,0 +1,273 @@
+"""Verification policy: how many of each request's drafted tokens to verify, and whether to draft.
+
+Modes (``--schedule``):
+  off        verify every drafted token (fixed block length, llama.cpp's default)
+  static     cut at the first confidence below ``conf_min`` (llama.cpp's --spec-draft-p-min)
+  survival   cut where the prefix survival prod(c) falls below ``p_survival_min``
+  profiled   Algorithm 1 on the machine's profiled cost curve (draft cost included), and no draft
+             pass at all while the running survival estimates say drafting cannot pay
+  auto       (the default) profiled, with the running acceptance per position standing in for the
+             confidences when the draft has no confidence head (DFlash, oracle, ...)
+
+Every decision uses only what is known before the token it admits (confidences c_k depend on the
+tokens before position k, the running estimates on past cycles), so every mode is lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from pyllama_dspark.spec.schedule import CostModel, apply_sts, schedule, should_draft, static_cut, survival, survival_cut
+
+MODES = ("off", "static", "survival", "profiled", "auto")
+COST_MODES = ("profiled", "auto")
+ACC_FLOOR = 1e-3
+
+
+@dataclass
+class VerifyPolicy:
+    mode: str = "off"
+    conf_min: float = 0.0
+    p_survival_min: float = 0.0
+    cost: Optional[CostModel] = None
+    temperatures: Optional[Sequence[float]] = None   # STS calibration (per position)
+    gamma: int = 7
+    ema: float = 0.1                                 # running conditional acceptance per position
+    probe_every: int = 16                            # re-draft now and then when drafting was skipped
+    probe_budget: float = 0.01                       # at most this share of the plain decoding time
+    _acc: np.ndarray = field(default=None, repr=False)
+    _skipped: int = 0
+    _draft_ms: dict = field(default_factory=dict, repr=False)   # measured draft pass ms per R (EMA)
+    _n: np.ndarray = field(default=None, repr=False)            # verified tries per position
+    _hit_sum: np.ndarray = field(default=None, repr=False)      # decayed sums for the online
+    _conf_sum: np.ndarray = field(default=None, repr=False)     # confidence correction
+    _probe_gap: int = 0
+    learn_costs: bool = True      # follow the measured draft pass time (False: the cost model's, fixed)
+    _cycles: int = 0
+    _verified: int = 0
+    _draft_cycles: int = 0
+    _probing: bool = False        # this cycle's draft is a probe: it verifies at least one token
+    _version: int = 0             # bumped whenever an input of want_draft's estimate changes
+    _pays: dict = field(default_factory=dict, repr=False)   # R -> (version, does drafting pay)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"schedule must be one of {MODES}, got {self.mode!r}")
+        if self.mode in COST_MODES and self.cost is None:
+            raise ValueError(f"the {self.mode} schedule needs a cost profile")
+        if not 0.0 <= self.conf_min <= 1.0 or not 0.0 <= self.p_survival_min <= 1.0:
+            raise ValueError("conf_min and p_survival_min must be in [0, 1]")
+        # optimistic start: drafting is tried until evidence says it does not pay (the prior weighs
+        # one observation, so a few cycles correct it)
+        self._acc = np.full(self.gamma, 0.9)
+        self._n = np.zeros(self.gamma)
+        self._hit_sum = np.zeros(self.gamma)
+        self._conf_sum = np.zeros(self.gamma)
+        self._probe_gap = self.probe_every
+
+    @property
+    def needs_confidence(self) -> bool:
+        return self.mode in ("static", "survival", "profiled")
+
+    @property
+    def uses_cost(self) -> bool:
+        return self.mode in COST_MODES
+
+    def calibrated(self, conf: np.ndarray) -> np.ndarray:
+        c = np.asarray(conf, dtype=np.float64)
+        if self.temperatures is None or c.size == 0:
+            return c
+        return apply_sts(c[None, :], self.temperatures)[0]
+
+    # ---- draft cost ---------------------------------------------------------------------------
+    def observe_draft(self, n_requests: int, ms: float) -> None:
+        """A draft pass over ``n_requests`` blocks took ``ms``: the scheduler's estimate follows the
+        proposer actually in use (a batched pass is not R single passes; an oracle costs ~0)."""
+        if not self.learn_costs or n_requests <= 0 or not np.isfinite(ms) or ms < 0:
+            return
+        old = self._draft_ms.get(n_requests)
+        self._draft_ms[n_requests] = ms if old is None else old + 0.2 * (ms - old)
+        self._version += 1
+
+    def draft_estimate(self, n_requests: int) -> Optional[float]:
+        """Measured draft pass ms for R blocks (scaled from the nearest measured R), or None (the
+        profile's figure is used)."""
+        if not self._draft_ms:
+            return None
+        if n_requests in self._draft_ms:
+            return self._draft_ms[n_requests]
+        near = min(self._draft_ms, key=lambda r: abs(r - n_requests))
+        return self._draft_ms[near] * n_requests / near
+
+    # ---- before drafting ----------------------------------------------------------------------
+    def want_draft(self, n_requests: int) -> bool:
+        self._probing = False
+        if not self.uses_cost:
+            return True
+        if self.learn_costs and not self._draft_ms:   # one pass to learn what drafting costs here
+            return True
+        if self._pays_now(max(1, n_requests)):
+            self._skipped = 0
+            self._probe_gap = self.probe_every
+            return True
+        self._skipped += 1
+        # keep the estimates alive with a probe now and then (a draft pass and one verified token),
+        # backing off while probes keep saying that drafting does not pay, and never spending more
+        # than probe_budget of the plain decoding time on them
+        if self.probe_every and self._skipped >= max(self._probe_gap, self._budget_gap(n_requests)):
+            self._skipped = 0
+            self._probe_gap = min(2 * self._probe_gap, 16 * self.probe_every)
+            self._probing = True
+            return True
+        return False
+
+    def _budget_gap(self, n_requests: int) -> int:
+        """Plain cycles between probes for the probes to cost <= probe_budget of the decoding time."""
+        r = max(1, n_requests)
+        c = self.cost
+        draft = self.draft_estimate(r)
+        probe = (c.t_draft(r) if draft is None else draft) + c.t_verify(2 * r) - c.t_verify(r)
+        return int(np.ceil(max(0.0, probe) / (max(self.probe_budget, 1e-6) * max(c.t_verify(r), 1e-6))))
+
+    def _pays_now(self, n_requests: int) -> bool:
+        """Algorithm 1 on the running estimates, recomputed only when they changed (a cycle that
+        verified nothing leaves them as they were: not drafting costs no scheduling either)."""
+        hit = self._pays.get(n_requests)
+        if hit is not None and hit[0] == self._version:
+            return hit[1]
+        pays = should_draft([survival(self._acc)] * n_requests, self.cost, self.draft_estimate(n_requests))
+        self._pays[n_requests] = (self._version, pays)
+        return pays
+
+    # ---- after drafting -------------------------------------------------------------------------
+    def lengths(self, confs: Sequence[Optional[np.ndarray]], n_drafted: Sequence[int]) -> List[int]:
+        """Verify lengths per request from the (raw) confidences of its drafted tokens."""
+        probing, self._probing = self._probing, False
+        if self.mode == "off" or not any(n_drafted):
+            return list(n_drafted)
+        out = []
+        if self.mode in ("static", "survival"):
+            for c, n in zip(confs, n_drafted):
+                if n == 0:
+                    out.append(0)
+                    continue
+                if c is None:
+                    raise ValueError(f"the {self.mode} schedule needs a draft with a confidence head")
+                c = self.calibrated(c[:n])
+                out.append(static_cut(c, self.conf_min) if self.mode == "static" else
+                           survival_cut(c, self.p_survival_min))
+            return out
+        surv = []
+        for c, n in zip(confs, n_drafted):
+            if n == 0:
+                surv.append(np.zeros(0))
+                continue
+            if c is None:
+                if self.mode != "auto":
+                    raise ValueError("the profiled schedule needs a draft with a confidence head")
+                # no confidence head: the running conditional acceptance per position (past cycles)
+                acc = np.concatenate([self._acc, np.full(max(0, n - self.gamma), self._acc[-1])])[:n]
+                surv.append(survival(acc))
+                continue
+            surv.append(survival(self.corrected(self.calibrated(c[:n]))))
+        n_blocks = sum(1 for n in n_drafted if n > 0)
+        out = schedule(surv, self.cost, drafted=True, draft_ms=self.draft_estimate(n_blocks)).lengths
+        if probing:   # a probe that verified nothing would learn nothing
+            out = [max(1, ell) if n else 0 for ell, n in zip(out, n_drafted)]
+        return list(out)
+
+    def corrected(self, conf: np.ndarray) -> np.ndarray:
+        """Profiled mode: confidences rescaled per position by the observed acceptance over the
+        confidence the verified positions had (decayed sums, one pseudo-observation each), so an
+        uncalibrated draft head cannot keep the scheduler over-admitting.  Uses past cycles only."""
+        c = np.asarray(conf, dtype=np.float64)
+        if not self.uses_cost or c.size == 0:
+            return c
+        k = min(c.size, self.gamma)
+        ratio = (self._hit_sum[:k] + 1.0) / (self._conf_sum[:k] + 1.0)
+        out = c.copy()
+        out[:k] = np.clip(c[:k] * ratio, 0.0, 1.0)
+        return out
+
+    def update(self, n_verified: int, n_accepted: int, conf: Optional[np.ndarray] = None) -> None:
+        """Running conditional acceptance per position from one verified block; ``conf``: the
+        (calibrated) confidences the verified drafts had, for :meth:`corrected`."""
+        self._cycles += 1
+        self._verified += n_verified
+        self._draft_cycles += 1 if n_verified else 0
+        c = None if conf is None else self.calibrated(np.asarray(conf[:n_verified], dtype=np.float64))
+        for k in range(min(n_verified, self.gamma)):
+            if k > n_accepted:
+                break
+            hit = 1.0 if k < n_accepted else 0.0
+            self._version += 1
+            self._n[k] += 1
+            rate = max(self.ema, 1.0 / (self._n[k] + 1.0))
+            # floored: an estimate at exactly 0 could never be revised by a schedule that only
+            # verifies what might pay (probes still test it)
+            self._acc[k] = max(ACC_FLOOR, self._acc[k] + rate * (hit - self._acc[k]))
+            if c is not None and k < c.size:
+                self._hit_sum[k] = 0.97 * self._hit_sum[k] + hit
+                self._conf_sum[k] = 0.97 * self._conf_sum[k] + c[k]
+
+    # ---- telling the user ---------------------------------------------------------------------
+    def summary(self, verify_lengths: Optional[Sequence[int]] = None) -> str:
+        """One line on what the schedule chose, and why, for the stats line: over the given verify
+        lengths (one generation's), else over every cycle this policy has seen."""
+        if verify_lengths is None:
+            cycles, verified, drafting = self._cycles, self._verified, self._draft_cycles
+        else:
+            cycles, verified = len(verify_lengths), int(sum(verify_lengths))
+            drafting = sum(1 for v in verify_lengths if v)
+        if self.mode == "off":
+            return "schedule off: every drafted token verified (llama.cpp's fixed block)"
+        per = verified / max(cycles, 1)
+        line = f"schedule {self.mode}: verified {per:.2f} drafts/cycle ({drafting} of {cycles} cycles verified drafts)"
+        if self.uses_cost and cycles and per < 0.5:
+            c = self.cost
+            steps = c.t_verify(1 + self.gamma) / c.t_verify(1)
+            draft = self.draft_estimate(1)
+            draft = c.t_draft(1) if draft is None else draft
+            line += (f": on this machine verifying {self.gamma} drafts costs {steps:.1f} target steps and a draft pass "
+                     f"{draft / c.t_verify(1):.1f}, and the draft's acceptance does not cover it "
+                     f"(--schedule off forces the fixed block)")
+        return line
+
+
+def policy_for(mode: Optional[str], *, has_draft: bool, has_confidence: bool, cost_source=None,
+               conf_min: Optional[float] = None, p_survival_min: Optional[float] = None,
+               temperatures: Optional[Sequence[float]] = None, gamma: int = 7) -> Optional["VerifyPolicy"]:
+    """The one constructor of a verification policy from user input, for every front end.
+
+    ``mode`` None picks ``static`` / ``survival`` when their threshold is given, else ``auto``.
+    Returns None (plain fixed-length verification) for ``off`` and when there is no draft.
+    ``cost_source``: a :class:`~.schedule.CostModel`, a :class:`~.costprofile.Profile`, or a
+    callable returning either (called only when a cost-driven mode needs it: measuring is slow)."""
+    if mode is None:
+        mode = "static" if conf_min is not None else "survival" if p_survival_min is not None else "auto"
+    if mode not in MODES:
+        raise ValueError(f"schedule must be one of {MODES}, got {mode!r}")
+    if mode == "off" or not has_draft:
+        if mode in ("static", "survival", "profiled") and not has_draft:
+            raise ValueError(f"the {mode} schedule needs a draft")
+        return None
+    if mode in ("static", "survival", "profiled") and not has_confidence:
+        raise ValueError(f"the {mode} schedule needs a draft with a confidence head (use auto or off)")
+    if mode == "static" and conf_min is None:
+        raise ValueError("the static schedule needs conf_min")
+    if mode == "survival" and p_survival_min is None:
+        raise ValueError("the survival schedule needs p_survival_min")
+    cost, learn = None, True
+    if mode in COST_MODES:
+        src = cost_source() if callable(cost_source) else cost_source
+        if src is None:
+            raise ValueError(f"the {mode} schedule needs a cost profile")
+        if hasattr(src, "cost_model"):
+            learn = not getattr(src, "fixed", False)
+            src = src.cost_model()
+        cost = src
+    return VerifyPolicy(mode=mode, conf_min=conf_min or 0.0, p_survival_min=p_survival_min or 0.0, cost=cost,
+                        temperatures=temperatures, gamma=gamma, learn_costs=learn)
