@@ -55,7 +55,7 @@ def _check_timings(t: dict, stats) -> None:
 
 def test_chat_equals_llama_greedy_and_streams_concatenate(ds, cases):
     failures, drafted = [], 0
-    for name, msgs, ref in cases:
+    for name, msgs, ref in cases[::2]:   # one prompt per benchmark file
         r = greedy_chat(ds, msgs)
         drafted += r["timings"]["draft_n"]
         text, chunks = streamed_content(greedy_chat(ds, msgs, stream=True))
@@ -74,8 +74,8 @@ def test_chat_equals_llama_greedy_and_streams_concatenate(ds, cases):
         assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
         assert chunks[-1]["choices"][0]["finish_reason"] == r["choices"][0]["finish_reason"]
         assert TIMING_KEYS <= set(chunks[-1]["timings"])
-    print(f"\nDSpark over {len(cases)} prompts: drafted {drafted}")
-    assert drafted > 10 * len(cases), "the speculative path did not run"
+    print(f"\nDSpark over {len(cases[::2])} prompts: drafted {drafted}")
+    assert drafted > 10 * len(cases[::2]), "the speculative path did not run"
     assert not failures, "\n".join(failures)
 
 
