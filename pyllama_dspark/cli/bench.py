@@ -45,9 +45,8 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
 
     from pyllama_dspark.tools.bench import CONFIGS, SCHEDULED, has_confidence_head, open_configs, run_bench
     from pyllama_dspark.tools.bench_report import plot_positions, report_json, report_text
-    from pyllama_dspark.cli.common import default_target
+    from pyllama_dspark.cli.common import default_target, load_prompt_items
     from pyllama_dspark.paths import random_draft_for
-    from pyllama_dspark.prompts import load_prompts
 
     names = [c.strip() for c in configs.split(",") if c.strip()]
     auto = names == ["auto"]
@@ -77,12 +76,7 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
     if any(c in SCHEDULED for c in names) and not has_confidence_head(draft):
         raise click.BadParameter("the scheduled configurations need a DSpark draft with a confidence head",
                                  param_hint="--configs")
-    try:
-        items = load_prompts(list(prompts), limit_per_file=limit)
-    except (OSError, ValueError) as e:
-        raise click.ClickException(str(e))
-    if not items:
-        raise click.ClickException("no prompts found")
+    items = load_prompt_items(prompts, limit)
     settings = dict(n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers)
     try:
         sps = open_configs(target, draft if any(c != "none" for c in names) else None, names, n_max=n_max,

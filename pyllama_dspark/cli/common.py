@@ -54,6 +54,19 @@ def default_target() -> str:
         raise click.UsageError(str(e))
 
 
+def load_prompt_items(prompts, limit: int):
+    """Prompt files (or the packaged benchmark prompts) as PromptItems; click errors if none."""
+    from pyllama_dspark.prompts import load_prompts
+
+    try:
+        items = load_prompts(list(prompts), limit_per_file=limit)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e))
+    if not items:
+        raise click.ClickException("no prompts found")
+    return items
+
+
 def resolve_draft_arg(draft: Optional[str], target: str) -> Optional[str]:
     """-md values 'random' / 'random-dspark' / 'random-dflash' become a cached random draft."""
     if draft in ("random", "random-dspark", "random-dflash"):

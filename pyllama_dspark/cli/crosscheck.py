@@ -42,23 +42,15 @@ def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max
                n_ctx, n_batch, threads, flash_attn, seed, json_path):
     """Check our loop against plain greedy, llama.cpp's C++ driver and the numpy draft graph."""
     from pyllama_dspark.decode.api import Speculator
-    from pyllama_dspark.cli.common import default_target
-    from pyllama_dspark.paths import random_draft_for
+    from pyllama_dspark.cli.common import default_target, load_prompt_items, resolve_draft_arg
     from pyllama_dspark.tools.crosscheck import open_plain_llama, report_text, run_crosscheck
-    from pyllama_dspark.prompts import load_prompts
 
     for name, v in (("--limit", limit), ("-n", n_predict), ("--n-max", n_max)):
         if v <= 0:
             raise click.BadParameter("must be >= 1", param_hint=name)
     target = model or default_target()
-    if draft in ("random", "random-dspark", "random-dflash"):
-        draft = random_draft_for(target, "dflash" if draft == "random-dflash" else "dspark")
-    try:
-        items = load_prompts(list(prompts), limit_per_file=limit)
-    except (OSError, ValueError) as e:
-        raise click.ClickException(str(e))
-    if not items:
-        raise click.ClickException("no prompts found")
+    draft = resolve_draft_arg(draft, target)
+    items = load_prompt_items(prompts, limit)
 
     server = None
     reference = None

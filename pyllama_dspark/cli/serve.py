@@ -9,7 +9,7 @@ import warnings
 
 import click
 
-from pyllama_dspark.cli.common import sampling_from_options, sampling_options
+from pyllama_dspark.cli.common import resolve_draft_arg, sampling_from_options, sampling_options
 from pyllama_dspark.cli.sched import make_policy, with_schedule_options
 from pyllama_dspark.errors import DSparkError
 
@@ -17,10 +17,7 @@ from pyllama_dspark.errors import DSparkError
 def resolve_draft(target: str, draft, spec_type: str):
     """The draft path to load: 'random' drafts are written into the cache; ``draft-dflash`` on a
     DSpark draft runs its DFlash mode (the Markov / confidence heads removed)."""
-    from pyllama_dspark.paths import random_draft_for
-
-    if draft in ("random", "random-dspark", "random-dflash"):
-        draft = random_draft_for(target, "dflash" if draft == "random-dflash" else "dspark")
+    draft = resolve_draft_arg(draft, target)
     if draft is not None and spec_type == "draft-dflash":
         from pyllama_dspark.tools.dflash_mode import dflash_mode_draft
 

@@ -57,7 +57,7 @@ from pyllama_dspark.llama.amx import check_model
 from pyllama_dspark.spec.drafter import DraftModelProposer, check_n_max, clamp_n_max
 from pyllama_dspark.errors import ClosedError
 from pyllama_dspark.gguf.info import read_draft_info, read_target_info, validate_pair
-from pyllama_dspark.llama.handles import BorrowedTarget, ContextSettings, Draft
+from pyllama_dspark.llama.handles import BorrowedTarget, ContextSettings, Draft, Owned
 
 _FA_NAMES = {
     int(ll.LLAMA_FLASH_ATTN_TYPE_AUTO): "auto",
@@ -117,7 +117,7 @@ def close_with_context(obj, llama_context) -> None:
     llama_context._exit_stack.callback(_close_first)
 
 
-class DSparkDraftModel(LlamaDraftModel):
+class DSparkDraftModel(Owned, LlamaDraftModel):
     """A DSpark/DFlash draft attached to an existing ``llama_cpp.Llama`` as its ``draft_model``.
 
     ``n_max``: draft tokens per block (clamped to what the draft produces, with a warning).
@@ -240,22 +240,6 @@ class DSparkDraftModel(LlamaDraftModel):
             self._pending = None
 
     detach = close
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def _alive(self):
-        if self._closed:
-            raise ClosedError(f"{self._what} is closed")
 
     # ---- KV mirroring ------------------------------------------------------------------------
     def _forget(self) -> None:
