@@ -52,6 +52,7 @@ class VerifyPolicy:
     _probing: bool = False        # this cycle's draft is a probe: it verifies at least one token
     _version: int = 0             # bumped whenever an input of want_draft's estimate changes
     _pays: dict = field(default_factory=dict, repr=False)   # R -> (version, does drafting pay)
+    _gaps: dict = field(default_factory=dict, repr=False)   # R -> (version, cycles between probes)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -125,12 +126,18 @@ class VerifyPolicy:
         return False
 
     def _budget_gap(self, n_requests: int) -> int:
-        """Plain cycles between probes for the probes to cost <= probe_budget of the decoding time."""
+        """Plain cycles between probes for the probes to cost <= probe_budget of the decoding time
+        (recomputed only when the draft cost estimate changed)."""
         r = max(1, n_requests)
+        hit = self._gaps.get(r)
+        if hit is not None and hit[0] == self._version:
+            return hit[1]
         c = self.cost
         draft = self.draft_estimate(r)
         probe = (c.t_draft(r) if draft is None else draft) + c.t_verify(2 * r) - c.t_verify(r)
-        return int(np.ceil(max(0.0, probe) / (max(self.probe_budget, 1e-6) * max(c.t_verify(r), 1e-6))))
+        gap = int(np.ceil(max(0.0, probe) / (max(self.probe_budget, 1e-6) * max(c.t_verify(r), 1e-6))))
+        self._gaps[r] = (self._version, gap)
+        return gap
 
     def _pays_now(self, n_requests: int) -> bool:
         """Algorithm 1 on the running estimates, recomputed only when they changed (a cycle that
