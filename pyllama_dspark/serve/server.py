@@ -38,6 +38,7 @@ from pyllama_dspark.spec.sampling import SamplingParams
 
 log = logging.getLogger("pyllama_dspark.serve.server")
 
+
 def sampling_defaults(p: SamplingParams) -> Dict[str, Any]:
     """A request's sampling defaults (llama-server's request field names) from ``p``."""
     return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
