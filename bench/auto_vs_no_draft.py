@@ -22,7 +22,7 @@ import numpy as np
 
 from pyllama_dspark.spec import costprofile
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.decode.batch import BatchDecoder
+from pyllama_dspark.decode.loop import Decoder
 from pyllama_dspark.llama.handles import ContextSettings
 from pyllama_dspark.llama.models import open_models
 from pyllama_dspark.spec.oracle import OracleProposer
@@ -87,7 +87,7 @@ def cell_r4(target, draft, prompts, temp, n, repeats, threads, R=4, configs=("no
             for i in range(len(prompts)):
                 batch = [prompts[(i + j) % len(prompts)] for j in range(R)]
                 for name in rotated([c for c in ("none", "auto", "fixed") if c in configs], i + rep):
-                    bd = BatchDecoder(t, None if name == "none" else d, n_max=7, policy=pols.get(name))
+                    bd = Decoder(t, None if name == "none" else d, n_max=7, policy=pols.get(name))
                     smp = [sampling_for(temp, 1000 * rep + 10 * i + j) for j in range(R)]
                     for j in range(R):
                         bd.submit(batch[j], n, sampling=smp[j], ignore_eos=True)

@@ -129,7 +129,7 @@ def test_auto_without_confidence_head_uses_running_acceptance(target_path, dflas
 def test_auto_drafts_where_it_pays_oracle(target_path, greedy_refs, llama_refs, n_seq):
     """An oracle right 9 blocks in 10 pays on the CPU-like curve: auto verifies long prefixes, at
     R = 1 and with 4 sequences in one batch."""
-    from pyllama_dspark.decode.batch import BatchDecoder
+    from pyllama_dspark.decode.loop import Decoder
     from pyllama_dspark.cli.sched import _OracleSet
 
     prompts = [greedy_refs[p][0] for p in PROMPTS] + [greedy_refs[PROMPTS[0]][0]]
@@ -142,7 +142,7 @@ def test_auto_drafts_where_it_pays_oracle(target_path, greedy_refs, llama_refs, 
     t, _, _ = open_models(target_path, None, settings)
     with t:
         prop = _OracleSet(prompts, refs, t.n_vocab, p_error=0.1, seed=3)
-        bd = BatchDecoder(t, prop, n_max=7, policy=pol)
+        bd = Decoder(t, prop, n_max=7, policy=pol)
         done = bd.run(prompts, [len(r) for r in refs])
     for p, d, r in zip(prompts, done, refs):
         assert_greedy(llama_refs, p, d.tokens, r, f"auto, oracle, R={n_seq}")

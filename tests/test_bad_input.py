@@ -78,13 +78,13 @@ SCRIPT = textwrap.dedent(r"""
     long_prompt = sp.tokenize(LONG_TEXT, add_special=False)[:251]
 
     def tiny_ctx_batched(n_seq):
-        from pyllama_dspark.decode.batch import BatchDecoder
+        from pyllama_dspark.decode.loop import Decoder
         from pyllama_dspark.llama.handles import ContextSettings
         from pyllama_dspark.llama.models import open_models
         t, d, _ = open_models(target, draft, ContextSettings(n_ctx=8 if n_seq == 1 else 256 * n_seq, n_threads=1,
                                                              n_seq_max=n_seq))
         with t:
-            bd = BatchDecoder(t, d, n_max=7)
+            bd = Decoder(t, d, n_max=7)
             done = bd.run([long_prompt] * n_seq, 50)
             return {"n_ctx": t.n_ctx // n_seq, "prompt": list(long_prompt), "tokens": [x.tokens for x in done],
                     "finish_reason": [x.finish_reason for x in done]}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from greedy_ref import greedy, open_llama, TEST_THREADS
-from pyllama_dspark.decode.batch import BatchDecoder, Started
+from pyllama_dspark.decode.loop import Decoder, Started
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target, read_draft_meta
 from pyllama_dspark.spec.oracle import OracleProposer
 from pyllama_dspark.spec.policy import VerifyPolicy
@@ -45,7 +45,7 @@ def test_batched_sequences_equal_their_own_greedy(target_path, dspark_draft_path
         policy = VerifyPolicy(mode=mode, cost=CostModel([6.0 * b for b in range(1, 33)], draft_ms=[10.0]),
                               learn_costs=False)
         # tie_eps = inf: every emitted verify row counts as a near-tie, rejected rows never do
-        bd = BatchDecoder(t, d, n_max=7, policy=policy, tie_eps=float("inf") if mode == "off" else 1e-3)
+        bd = Decoder(t, d, n_max=7, policy=policy, tie_eps=float("inf") if mode == "off" else 1e-3)
         done = bd.run([p for p, _, _ in refs], [m for _, m, _ in refs])
         if mode == "off":
             assert [dn.stats.near_ties for dn in done] == [dn.stats.accepted + dn.stats.cycles for dn in done]
@@ -65,7 +65,7 @@ def test_batched_sequences_equal_their_own_greedy(target_path, dspark_draft_path
 def _oracle_run(target_path, ref_prompt, ref, policy, p_error=0.7, seed=5):
     with Target(target_path, ContextSettings(n_threads=THREADS)) as t:
         orc = OracleProposer(list(ref_prompt) + list(ref), t.n_vocab, p_error=p_error, seed=seed)
-        bd = BatchDecoder(t, orc, n_max=7, policy=policy)
+        bd = Decoder(t, orc, n_max=7, policy=policy)
         (done,) = bd.run([ref_prompt], [len(ref)])
         return done, orc
 
@@ -109,13 +109,13 @@ def test_policy_refuses_bad_settings(target_path, dflash_draft_path):
     t, d = _open(target_path, dflash_draft_path, 1)
     with t:
         with pytest.raises(ValueError, match="confidence head"):
-            BatchDecoder(t, d, policy=VerifyPolicy(mode="static", conf_min=0.3))
+            Decoder(t, d, policy=VerifyPolicy(mode="static", conf_min=0.3))
     # 3 sequences x 8 verify rows do not fit a 16-token batch: refused before llama.cpp sees it
     s = ContextSettings(n_ctx=512 * 3, n_batch=16, n_ubatch=16, n_threads=THREADS, n_seq_max=3)
     with Target(target_path, s) as t:
         with pytest.raises(ValueError, match="n_batch"):
-            BatchDecoder(t, OracleProposer([1, 2, 3], t.n_vocab), n_max=7)
-        BatchDecoder(t, OracleProposer([1, 2, 3], t.n_vocab), n_max=4)   # 3 x 5 rows fit
+            Decoder(t, OracleProposer([1, 2, 3], t.n_vocab), n_max=7)
+        Decoder(t, OracleProposer([1, 2, 3], t.n_vocab), n_max=4)   # 3 x 5 rows fit
 
 
 def test_batched_sampling_follows_the_targets_law(target_path, refs):
@@ -144,7 +144,7 @@ def test_batched_sampling_follows_the_targets_law(target_path, refs):
     n = 40
     t, d = _open(target_path, draft, 3)
     with t:
-        bd = BatchDecoder(t, d, n_max=7, policy=VerifyPolicy(mode="off"))
+        bd = Decoder(t, d, n_max=7, policy=VerifyPolicy(mode="off"))
         done = bd.run([p for p, _ in jobs], n, sampling=[s for _, s in jobs])
     assert max(bd.verify_batches) > 8   # several sequences' rows verified in one decode
     drafted = sum(dn.stats.drafted for dn in done)
@@ -177,7 +177,7 @@ def test_batched_sampling_follows_the_targets_law(target_path, refs):
 def test_batched_streaming_events_and_cancel(target_path, refs):
     t, d = _open(target_path, default_draft_path(), 2)
     with t:
-        bd = BatchDecoder(t, d, n_max=7, streaming=True)
+        bd = Decoder(t, d, n_max=7, streaming=True)
         (p0, m0, ref0), (p1, _, _), (p2, m2, ref2) = refs[0], refs[1], refs[2]
         r0 = bd.submit(p0, m0)
         r1 = bd.submit(p1, 200)

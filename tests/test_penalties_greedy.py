@@ -26,7 +26,7 @@ import pytest
 from greedy_ref import greedy, open_llama, TEST_THREADS
 from llama_sampler_ref import LlamaChain
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.decode.batch import BatchDecoder
+from pyllama_dspark.decode.loop import Decoder
 from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target, read_draft_meta
 from pyllama_dspark.spec.oracle import OracleProposer
@@ -129,7 +129,7 @@ def test_batched_decoder(target_path, dspark_draft_path, cases):
     with Target(target_path, s, capture_layers=meta.target_layers) as t:
         d = Draft(dspark_draft_path, t, s)
         (p0, _, chain0, _), (p1, plain1, chain1, _) = cases
-        bd = BatchDecoder(t, d, n_max=7)
+        bd = Decoder(t, d, n_max=7)
         done = bd.run([p0, p1, p1], N, sampling=[_pen(), None, _pen()])
         assert [dn.tokens for dn in done] == [chain0, plain1, chain1]
         assert max(bd.verify_batches) > 8

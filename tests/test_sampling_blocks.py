@@ -168,7 +168,7 @@ def test_block_law_single_sequence_engine(target_path, laws):
 
 
 def test_block_law_batched_decoder(target_path, laws):
-    from pyllama_dspark.decode.batch import BatchDecoder
+    from pyllama_dspark.decode.loop import Decoder
     from pyllama_dspark.decode.cycle import Chunk
     from pyllama_dspark.llama.handles import ContextSettings, Draft, Target, read_draft_meta
     from pyllama_dspark.spec.policy import VerifyPolicy
@@ -180,7 +180,7 @@ def test_block_law_batched_decoder(target_path, laws):
     got, owner = {}, {}
     with Target(target_path, s, capture_layers=meta.target_layers) as t:
         d = Draft(draft, t, s)
-        bd = BatchDecoder(t, d, n_max=N_MAX, policy=VerifyPolicy(mode="off"), streaming=True)
+        bd = Decoder(t, d, n_max=N_MAX, policy=VerifyPolicy(mode="off"), streaming=True)
         for i in range(N):          # the prompts interleaved: each batch mixes requests of both
             for j, text in enumerate(PROMPTS):
                 rid = bd.submit(laws[text][0], 16, sampling=PARAMS.with_seed(50000 + 1000 * j + i))

@@ -12,7 +12,7 @@ import pytest
 from pyllama_dspark.serve import openai_format as fmt
 from pyllama_dspark.decode.cycle import Done, Stats
 from pyllama_dspark.serve.oai_request import RequestError, parse_request
-from pyllama_dspark.decode.batch import Started
+from pyllama_dspark.decode.loop import Started
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
 from pyllama_dspark.decode.timings import llama_timings, timing_log_lines
 from pyllama_dspark.tools.llama_server import parse_draft_acceptance
@@ -186,7 +186,7 @@ def test_submit_racing_close_never_loses_a_job():
 # ---- the batched pool (serve -np N, the default mode) over a scripted decoder ---------------------
 
 class _FakeBatchDecoder:
-    """Scripted stand-in for BatchDecoder (the pool's own logic is under test, not decoding): each
+    """Scripted stand-in for the loop (Decoder) (the pool's own logic is under test, not decoding): each
     request emits the tokens 0, 1, ... one per step; at most ``n_slots`` run at once, the rest wait
     in order.  With ``hold`` set, every step announces itself on ``entered`` and then waits for a
     ``ticket``: the test decides when each step runs, so nothing depends on timing."""
@@ -263,10 +263,10 @@ class _FakeBatchDecoder:
 @pytest.fixture
 def batched(monkeypatch):
     """A BatchedPool over the scripted decoder; yields (pool, fake speculator, decoder)."""
-    import pyllama_dspark.decode.batch as batch_mod
+    import pyllama_dspark.decode.loop as loop_mod
     from pyllama_dspark.serve.batch_pool import BatchedPool
 
-    monkeypatch.setattr(batch_mod, "BatchDecoder", _FakeBatchDecoder)
+    monkeypatch.setattr(loop_mod, "Decoder", _FakeBatchDecoder)
     _FakeBatchDecoder.instances = []
     sp = SimpleNamespace(target=object(), proposer=None, draft=None, closed=False)
     sp.close = lambda: setattr(sp, "closed", True)
@@ -395,10 +395,10 @@ def test_batched_pool_close_waits_for_the_step_and_answers_everyone(batched, cap
 
 
 def test_batched_pool_submit_racing_close_never_loses_a_job(monkeypatch):
-    import pyllama_dspark.decode.batch as batch_mod
+    import pyllama_dspark.decode.loop as loop_mod
     from pyllama_dspark.serve.batch_pool import BatchedPool
 
-    monkeypatch.setattr(batch_mod, "BatchDecoder", _FakeBatchDecoder)
+    monkeypatch.setattr(loop_mod, "Decoder", _FakeBatchDecoder)
     for _ in range(5):
         sp = SimpleNamespace(target=object(), proposer=None, draft=None, close=lambda: None)
         pool = BatchedPool(sp, n_max=4)

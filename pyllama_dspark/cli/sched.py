@@ -98,7 +98,7 @@ def calibrate_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit,
     from tabulate import tabulate
     from tqdm import tqdm
 
-    from pyllama_dspark.decode.batch import BatchDecoder
+    from pyllama_dspark.decode.loop import Decoder
     from pyllama_dspark.spec.calibration import fit, reliability_png
     from pyllama_dspark.llama.chat import build_chat_prompt
     from pyllama_dspark.llama.models import open_models
@@ -114,7 +114,7 @@ def calibrate_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit,
         with t:
             if not d.meta.has_confidence:
                 raise DSparkError("this draft has no confidence head: nothing to calibrate")
-            bd = BatchDecoder(t, d, n_max=d.meta.block_size)
+            bd = Decoder(t, d, n_max=d.meta.block_size)
             bd.record = True
             gamma = bd.n_max
             prompts = [build_chat_prompt(t, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
@@ -258,7 +258,7 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
 
     from pyllama_dspark.spec import costprofile
     from pyllama_dspark.decode.api import Speculator
-    from pyllama_dspark.decode.batch import BatchDecoder
+    from pyllama_dspark.decode.loop import Decoder
     from pyllama_dspark.llama.chat import build_chat_prompt
     from pyllama_dspark.llama.models import open_models
     from pyllama_dspark.spec.policy import VerifyPolicy
@@ -308,7 +308,7 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
                         prop = d
                     else:
                         prop = _OracleSet(bp, br, n_vocab, 1.0 - acc, seed=i)
-                    bd = BatchDecoder(t, prop, n_max=7, policy=policies[(s, c)])
+                    bd = Decoder(t, prop, n_max=7, policy=policies[(s, c)])
                     t0 = time.perf_counter()
                     done = bd.run(bp, [len(r) for r in br])
                     dt = time.perf_counter() - t0

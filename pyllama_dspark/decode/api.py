@@ -37,7 +37,7 @@ class Speculator(Owned):
                  n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False, n_seq: int = 1,
                  schedule: Union[str, VerifyPolicy, None] = "auto", cost_profile=None):
         """``n_seq``: sequences the contexts hold (``n_ctx`` is shared among them), for a
-        :class:`~.batch.BatchDecoder` over ``target`` / ``proposer``; ``stream``/``generate`` use
+        :class:`~pyllama_dspark.decode.loop.Decoder` over ``target`` / ``proposer``; ``stream``/``generate`` use
         sequence 0.
 
         ``schedule``: how much of each drafted block to verify: ``"auto"`` (default: Algorithm 1

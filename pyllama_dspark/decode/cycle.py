@@ -1,7 +1,7 @@
-"""What one speculative cycle shares between the loops (``engine``: one sequence, ``batch``: R):
-the events a generation yields (:class:`Chunk` per cycle, one :class:`Done`), its :class:`Stats`,
-incremental detokenization with stop strings (:class:`TextStream`), and the verify rows the
-sampled accept rule reads lazily (:class:`OneHotRows` for a deterministic draft's q,
+"""The pieces of one speculative cycle besides the loop itself (:mod:`.loop`): the events a
+generation yields (:class:`Chunk` per cycle, one :class:`Done`), its :class:`Stats`, incremental
+detokenization with stop strings (:class:`TextStream` over a :class:`PieceCache`), and the verify
+rows the sampled accept rule reads lazily (:class:`OneHotRows` for a deterministic draft's q,
 :class:`TargetRows` for the target's p through the sampler chain)."""
 
 from __future__ import annotations
@@ -125,11 +125,23 @@ class Done:
     stats: Stats
 
 
+class PieceCache(dict):
+    """token id -> its text piece (bytes) on one target, asked from llama.cpp once per token."""
+
+    def __init__(self, target: Target):
+        super().__init__()
+        self.target = target
+
+    def __missing__(self, token: int) -> bytes:
+        piece = self[token] = self.target.token_to_piece(token)
+        return piece
+
+
 class TextStream:
     """Incremental UTF-8 detokenization with stop strings; never emits text past a stop string."""
 
-    def __init__(self, target: Target, stop: Sequence[str]):
-        self.target = target
+    def __init__(self, pieces: PieceCache, stop: Sequence[str]):
+        self.pieces = pieces
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -138,7 +150,7 @@ class TextStream:
         self.stopped = False
 
     def push(self, token: int) -> None:
-        self.text += self.dec.decode(self.target.token_to_piece(token))
+        self.text += self.dec.decode(self.pieces[token])
         if self.stop:
             start = max(0, self.sent - self.hold - 1)
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
@@ -153,13 +165,6 @@ class TextStream:
         out = self.text[self.sent:end]
         self.sent = end
         return out
-
-
-def propose_sampled(prop, anchor: int, pos0: int, n_draft: int, smp: TokenSampler, seq: int):
-    fn = getattr(prop, "propose_sampled", None)
-    if fn is None:  # a duck-typed proposer without sampling support: deterministic proposal
-        return prop.propose(anchor, pos0, n_draft, seq)
-    return fn(anchor, pos0, n_draft, smp, seq)
 
 
 class OneHotRows:

@@ -1,6 +1,6 @@
 """Server slots over one batched decoder: ``serve -np N`` with continuous batching.
 
-One worker thread owns a :class:`~.batch.BatchDecoder` over a target + draft opened with N
+One worker thread owns a :class:`~pyllama_dspark.decode.loop.Decoder` over a target + draft opened with N
 sequences: every step verifies all running requests' rows in one target decode (and drafts all
 their blocks in one draft decode), which is what llama-server does with its slots.  Requests join
 as slots free up, each with its own sampling parameters, stop strings and max_tokens; a cancelled
@@ -16,7 +16,7 @@ import queue
 import threading
 from typing import Dict, Optional
 
-from pyllama_dspark.decode.batch import Started
+from pyllama_dspark.decode.loop import Started
 from pyllama_dspark.decode.cycle import Done
 from pyllama_dspark.serve.slots import Cancelled, Job, JobQueue, _deliver
 from pyllama_dspark.decode.timings import timing_log_lines
@@ -25,16 +25,16 @@ log = logging.getLogger("pyllama_dspark.serve.server")
 
 
 class BatchedPool(JobQueue):
-    """``n_slots`` concurrent requests decoded together by one BatchDecoder.
+    """``n_slots`` concurrent requests decoded together by one loop (Decoder).
 
     ``sp``: a :class:`~.api.Speculator` opened with ``n_seq=n_slots`` (it owns the contexts and
     is closed with the pool); ``policy``: an optional :class:`~.policy.VerifyPolicy`."""
 
     def __init__(self, sp, n_max: int = 7, policy=None):
-        from pyllama_dspark.decode.batch import BatchDecoder
+        from pyllama_dspark.decode.loop import Decoder
 
         self.sp = sp
-        self._bd = BatchDecoder(sp.target, sp.proposer if sp.draft is not None else None, n_max=n_max,
+        self._bd = Decoder(sp.target, sp.proposer if sp.draft is not None else None, n_max=n_max,
                                 policy=policy, streaming=True)
         self._init_jobs()
         self._running: Dict[int, Job] = {}     # rid -> job

@@ -1,10 +1,13 @@
 """Proposal sources behind one protocol: a DSpark/DFlash draft model, nothing, or (tests) an oracle.
 
-The engine calls, per sequence:
+The loop (:mod:`pyllama_dspark.decode.loop`) calls, per sequence:
   ``observe(row0, n, pos0)``  after a target decode: rows row0..row0+n-1 of that decode are now
                               committed at positions pos0.. (their captured features may be used);
   ``propose(anchor, pos0, n_draft)`` -> Proposal: up to n_draft tokens following ``anchor`` (which
                               sits at position pos0 and is not yet in the target memory);
+  ``propose_batch([BlockRequest])`` the proposals of every sequence of a step at once (greedy or,
+                              with a request's sampler, sampled); a draft model runs them in one
+                              draft decode;
   ``rollback(p0)``            positions >= p0 were rejected: forget them;
   ``reset()``                 before a new generation.
   ``observe_later(...)``      as observe, after a cycle that drafted nothing: the rows may be kept
@@ -12,7 +15,7 @@ The engine calls, per sequence:
                               features on the host and injects them in one batch when drafting
                               resumes, so cycles without drafts cost what plain decoding costs).
 
-Like llama.cpp's server, the engine always asks for a full ``n_max`` block and truncates the
+Like llama.cpp's server, the loop always asks for a full ``n_max`` block and truncates the
 proposal itself when fewer tokens may be drafted (near max_tokens / the end of the context): the
 block is non-causal, so its length changes what the draft predicts.
 """
@@ -39,6 +42,16 @@ class Proposal:
 
 
 EMPTY = Proposal(np.zeros(0, dtype=np.int32))
+
+
+@dataclass
+class BlockRequest:
+    """One sequence's request for a draft block in a step of the loop."""
+    anchor: int           # the last emitted token, at position pos0 (not yet in the target memory)
+    pos0: int
+    n_draft: int          # drafts wanted (the block the drafter runs is sized by it)
+    seq_id: int = 0
+    sampler: object = None   # T > 0: the sequence's TokenSampler (drafts are drawn with it); None: greedy
 
 #: Host memory one sequence may hold in deferred feature rows before they are injected in one
 #: batch anyway ($PYLLAMA_DSPARK_DEFER_MB, default 64 MiB: ~5,800 rows of SmolLM2's 5 x 576
@@ -106,6 +119,11 @@ class Proposer:
         which speculative sampling verifies losslessly too."""
         return self.propose(anchor, pos0, n_draft, seq_id)
 
+    def propose_batch(self, requests: Sequence[BlockRequest]) -> List[Proposal]:
+        """One proposal per request, in order (a proposer that can draft several sequences in one
+        pass overrides this)."""
+        return [propose_one(self, r) for r in requests]
+
     def rollback(self, p0: int, seq_id: int = 0) -> None:
         pass
 
@@ -136,11 +154,6 @@ class DraftModelProposer(Proposer):
         self._markov = None
         self.offset = m.block_offset
         self._max = max(0, m.block_size - self.offset)
-        cap = m.block_size + 1
-        self._block = np.full(cap, m.mask_token_id, dtype=np.int32)
-        self._ids = np.zeros(cap, dtype=np.int32)
-        self._margin = np.zeros(cap, dtype=np.float32)
-        self._conf = np.zeros(cap, dtype=np.float32)
         self._deferred: Dict[int, _Deferred] = {}
         self.defer_bytes = DEFER_BYTES
         self.n_deferred_injections = 0     # catch-up injections made (rows folded in at once)
@@ -183,24 +196,55 @@ class DraftModelProposer(Proposer):
         return 0 if dq is None else dq.n
 
     def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
-        if n_draft <= 0:
-            return EMPTY
-        self.catch_up(seq_id)
-        n_draft = min(n_draft, self._max)
-        n_block = n_draft + self.offset
-        block = self._block[:n_block]
-        block[0] = anchor
-        block[1:] = self.meta.mask_token_id
-        d = self.draft
-        d.decode_block(block, pos0, seq_id)
-        d.argmax(self.offset, n_draft, self._ids, self._margin)
-        conf = None
-        if self.meta.has_confidence:
-            d.confidence(self.offset, n_draft, self._conf)
-            conf = self._conf[:n_draft].copy()
+        return self.propose_batch([BlockRequest(anchor, pos0, n_draft, seq_id)])[0]
+
+    def propose_batch(self, requests: Sequence[BlockRequest]) -> List[Proposal]:
+        """Every request's block in one draft decode per block size (llama.cpp's DSpark graph
+        needs equal blocks within a ubatch): greedy requests take each row's argmax (the greedy
+        Markov chain runs inside the graph), sampled ones draw left to right (see
+        :meth:`propose_sampled`)."""
+        out = [EMPTY] * len(requests)
+        by_size: Dict[int, List[int]] = {}
+        for i, r in enumerate(requests):
+            if r.n_draft > 0:
+                by_size.setdefault(min(r.n_draft, self._max), []).append(i)
+        for n_draft, idx in by_size.items():
+            for i, p in zip(idx, self._blocks(n_draft, [requests[i] for i in idx])):
+                out[i] = p
+        return out
+
+    def _blocks(self, n_draft: int, requests: Sequence[BlockRequest]) -> List[Proposal]:
+        d, m, off = self.draft, self.meta, self.offset
+        R, nb = len(requests), n_draft + self.offset
+        for r in requests:
+            self.catch_up(r.seq_id)
+        bs = self._sampler() if any(r.sampler is not None for r in requests) else None
+        block = np.full(R * nb, m.mask_token_id, dtype=np.int32)
+        block[::nb] = [r.anchor for r in requests]
+        pos0 = np.asarray([r.pos0 for r in requests], dtype=np.int32)
+        seqs = np.asarray([r.seq_id for r in requests], dtype=np.int32)
+        d.decode_blocks(block, nb, pos0, seqs, hidden=bs is not None and bs.conf is not None
+                        and bs.conditioning == "sampled")
+        ids = margin = conf = None
+        if bs is None or any(r.sampler is None for r in requests):
+            ids = np.zeros(R * nb, dtype=np.int32)
+            margin = np.zeros(R * nb, dtype=np.float32)
+            d.argmax(0, R * nb, ids, margin)
+            if m.has_confidence:
+                conf = np.zeros(R * nb, dtype=np.float32)
+                d.confidence(0, R * nb, conf)
+        out = []
+        for i, r in enumerate(requests):
+            a = i * nb + off
+            if r.sampler is None:
+                out.append(Proposal(ids[a:a + n_draft].copy(), None if conf is None else conf[a:a + n_draft].copy()))
+            else:
+                tokens, q, c = bs.sample(a, n_draft, r.sampler)
+                out.append(Proposal(tokens, c, q))
         # the block is non-causal: its noise K/V must not survive into the next block
-        d.seq_rm(seq_id, pos0, -1)
-        return Proposal(self._ids[:n_draft].copy(), conf)
+        for r in requests:
+            d.seq_rm(r.seq_id, r.pos0, -1)
+        return out
 
     @property
     def block_sampler(self):
@@ -230,20 +274,7 @@ class DraftModelProposer(Proposer):
     def propose_sampled(self, anchor: int, pos0: int, n_draft: int, sampler, seq_id: int = 0) -> Proposal:
         """T > 0: the block decode as for greedy, then drafts drawn left to right from
         chain(U_k + B(x_{k-1})) with x_{k-1} the token drawn before (see :mod:`.draft_sampling`)."""
-        if n_draft <= 0:
-            return EMPTY
-        bs = self._sampler()
-        self.catch_up(seq_id)
-        n_draft = min(n_draft, self._max)
-        n_block = n_draft + self.offset
-        block = self._block[:n_block]
-        block[0] = anchor
-        block[1:] = self.meta.mask_token_id
-        d = self.draft
-        d.decode_block(block, pos0, seq_id, hidden=bs.conf is not None and bs.conditioning == "sampled")
-        tokens, q, conf = bs.sample(self.offset, n_draft, sampler)
-        d.seq_rm(seq_id, pos0, -1)
-        return Proposal(tokens, conf, q)
+        return self.propose_batch([BlockRequest(anchor, pos0, n_draft, seq_id, sampler)])[0]
 
     def rollback(self, p0: int, seq_id: int = 0) -> None:
         dq = self._deferred.get(seq_id)
@@ -257,6 +288,25 @@ class DraftModelProposer(Proposer):
             self._markov.close()
             self._markov = None
         self.draft.close()
+
+
+def propose_one(prop, r: BlockRequest) -> Proposal:
+    """``prop.propose`` / ``prop.propose_sampled`` for one request (a duck-typed proposer without
+    ``propose_sampled`` makes a deterministic proposal, which speculative sampling verifies too)."""
+    fn = getattr(prop, "propose_sampled", None) if r.sampler is not None else None
+    if fn is not None:
+        return fn(r.anchor, r.pos0, r.n_draft, r.sampler, r.seq_id)
+    return prop.propose(r.anchor, r.pos0, r.n_draft, r.seq_id)
+
+
+def propose_all(prop, requests: Sequence[BlockRequest]) -> List[Proposal]:
+    """One proposal per request: the proposer's own ``propose_batch`` when its class has one (a
+    wrapper that forwards attributes to another proposer is asked per request, so that its own
+    ``propose``/``propose_sampled`` run)."""
+    batch = getattr(type(prop), "propose_batch", None)
+    if batch is not None:
+        return batch(prop, requests)
+    return [propose_one(prop, r) for r in requests]
 
 
 def observe_later(prop, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:

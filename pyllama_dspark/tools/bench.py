@@ -10,7 +10,7 @@ Configurations (all on the same target, each with its own contexts, loaded once)
 * ``dspark-fixed`` -- the draft as it is, every drafted token verified: llama.cpp's fixed block
   (what llama-server does; the configuration to read tau and per-position acceptance from);
 * ``dspark-static`` / ``dspark-survival`` -- DSpark with confidence-scheduled verification through
-  the batched decoder (:class:`~pyllama_dspark.decode.batch.BatchDecoder`, one sequence): verify up to the
+  the batched decoder (:class:`~pyllama_dspark.decode.loop.Decoder`, one sequence): verify up to the
   first confidence below ``conf_min`` / while the prefix survival stays above ``p_survival_min``
   (greedy only; drafts with a confidence head only).
 
@@ -106,7 +106,7 @@ class ScheduledRunner:
     def __init__(self, target: str, draft: str, mode: str, *, n_max: int = 7, conf_min: float = 0.5,
                  p_survival_min: float = 0.3, n_ctx: int = 4096, n_threads=None, flash_attn: str = "auto",
                  n_gpu_layers: int = 0):
-        from pyllama_dspark.decode.batch import BatchDecoder
+        from pyllama_dspark.decode.loop import Decoder
         from pyllama_dspark.llama.handles import ContextSettings
         from pyllama_dspark.llama.models import open_models
         from pyllama_dspark.spec.policy import VerifyPolicy
@@ -116,7 +116,7 @@ class ScheduledRunner:
         try:
             policy = VerifyPolicy(mode=mode, conf_min=conf_min if mode == "static" else 0.0,
                                   p_survival_min=p_survival_min if mode == "survival" else 0.0, gamma=n_max)
-            self.decoder = BatchDecoder(self.target, self.draft, n_max=n_max, policy=policy)
+            self.decoder = Decoder(self.target, self.draft, n_max=n_max, policy=policy)
         except BaseException:
             self.target.close()
             raise

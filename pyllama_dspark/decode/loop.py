@@ -1,0 +1,511 @@
+"""The decoding loop: R sequences at once (one sequence is R = 1), one step at a time.
+
+A request is admitted into a free sequence slot and its prompt decoded (prefill: n_batch chunks,
+every chunk's features observed by the proposer; with ``reuse_prefix`` only what the memories do
+not already hold).  Then every step, for all running requests together:
+
+  1. propose: the policy decides whether a draft pass can pay; if so one draft pass proposes a
+     block for every request with room (a draft model decodes all blocks in one decode; greedy
+     requests take each row's argmax, sampled ones draw left to right through the Markov head);
+  2. policy: each request's verify length l_r (Algorithm 1 across the R blocks when cost-driven);
+  3. verify: one target decode holds every request's rows [anchor, drafts[:l_r]] (l_r = 0: plain
+     decoding);
+  4. accept, per request: :func:`~..spec.verify.greedy_accept` at T = 0, or
+     :func:`~..spec.verify.speculative_accept` at T > 0 (this loop is their only caller);
+  5. inject / roll back: the proposer observes the verified rows (or defers them when nothing was
+     drafted) and both memories drop the rejected tail;
+  6. events: the emitted tokens go through EOG, stop-string and max_tokens checks; a finished
+     request frees its slot and a queued one joins.
+
+Greedy output of every request equals its own plain greedy output; sampled output is distributed
+as plain sampling from the target with the same sampler chain.
+
+Requests: :meth:`Decoder.submit` queues one (its own sampling parameters, stop strings, max_tokens,
+draft size), :meth:`step` advances every running one, :meth:`poll` hands out what each step
+produced (``(rid, Started)``, ``(rid, Chunk)`` ... ``(rid, Done)``) when ``streaming`` is on,
+:meth:`cancel` drops a request at a step boundary, :meth:`run` drives a list of prompts to the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from pyllama_dspark.decode.cycle import Chunk, Done, OneHotRows, PieceCache, Stats, TargetRows, TextStream
+from pyllama_dspark.errors import ContextOverflowError
+from pyllama_dspark.llama.handles import Draft, Target
+from pyllama_dspark.spec.drafter import (BlockRequest, DraftModelProposer, NoDraft, Proposer, check_n_max,
+                                         observe_later, propose_all)
+from pyllama_dspark.spec.policy import VerifyPolicy
+from pyllama_dspark.spec.sampling import SamplingParams, TokenSampler
+from pyllama_dspark.spec.verify import greedy_accept, speculative_accept
+
+
+@dataclass
+class Started:
+    """Streaming event: the request got sequence slot ``slot`` and its prompt was decoded."""
+    slot: int
+
+
+@dataclass
+class _Seq:
+    rid: int
+    prompt: np.ndarray
+    max_tokens: int
+    n_max: int
+    text: TextStream
+    smp: Optional[TokenSampler] = None
+    ignore_eos: bool = False
+    reuse: bool = False
+    seq_id: int = -1
+    out: List[int] = field(default_factory=list)
+    pending: List[int] = field(default_factory=list)   # emitted, not yet handed out
+    anchor: int = 0
+    pos0: int = 0
+    finish: Optional[str] = None
+    stats: Stats = field(default_factory=Stats)
+    t_start: float = 0.0
+
+
+def check_prompt(prompt: Sequence[int], n_vocab: int, n_ctx: int) -> np.ndarray:
+    """Token ids as int32, or a clear exception (llama.cpp aborts on ids outside the vocabulary)."""
+    ids = list(prompt)
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in ids):
+        raise TypeError("prompt token ids must be integers")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if min(ids) < 0 or max(ids) >= n_vocab:
+        raise ValueError(f"prompt token ids must be in 0..{n_vocab - 1}")
+    toks = np.asarray(ids, dtype=np.int32)
+    if toks.size + 1 > n_ctx:
+        raise ContextOverflowError(f"prompt of {toks.size} tokens does not fit the context of {n_ctx} tokens")
+    return toks
+
+
+class Decoder:
+    """Speculative decoding of the requests it is given, up to one per sequence slot at a time."""
+
+    def __init__(self, target: Target, proposer: Union[Draft, Proposer, None] = None, *, n_max: int = 7,
+                 policy: Optional[VerifyPolicy] = None, streaming: bool = False, tie_eps: float = 1e-3,
+                 slots: Optional[Sequence[int]] = None, keep_memory: bool = False):
+        """``proposer``: a Draft (every block of a step in one draft decode), any other Proposer
+        (e.g. the oracle), or None (plain decoding).  ``n_max``: the largest draft block a request
+        may ask for (clamped to what the drafter produces).  ``policy``: how much of each block to
+        verify (None: all of it, llama.cpp's fixed block).  ``streaming``: keep per-step events for
+        :meth:`poll` (results are then not kept for :meth:`result`).  ``tie_eps``: a greedy verify
+        row whose top-2 logit gap is below it counts as a numerical near-tie.  ``slots``: the
+        sequence ids this decoder may use (default: every sequence of the target's context).
+        ``keep_memory``: a finished request's memories stay as they are (instead of being cleared),
+        so that a later request with ``reuse_prefix`` decodes only what they do not hold."""
+        self.target = target
+        self.tie_eps = float(tie_eps)
+        n_seq = int(target.settings.n_seq_max)
+        self.slots = list(range(n_seq)) if slots is None else [int(s) for s in slots]
+        if not self.slots or any(not 0 <= s < n_seq for s in self.slots) or len(set(self.slots)) < len(self.slots):
+            raise ValueError(f"slots must be distinct sequence ids in 0..{n_seq - 1}")
+        self.n_slots = len(self.slots)
+        # llama.cpp splits the context evenly among the sequences it was created for
+        self.n_ctx_seq = target.n_ctx // n_seq
+        if isinstance(proposer, Draft):
+            if int(proposer.settings.n_seq_max) < n_seq:
+                raise ValueError("the draft context needs as many sequences as the target's")
+            proposer = DraftModelProposer(proposer)
+        self.n_max = check_n_max(n_max)
+        self.streaming = streaming
+        self.keep_memory = keep_memory
+        self.eog = target.eog_mask
+        self._pieces = PieceCache(target)
+        self._free = self.slots[::-1]
+        self._active: List[_Seq] = []
+        self._queue: Deque[_Seq] = deque()
+        self._done: Dict[int, Done] = {}
+        self._events: List[Tuple[int, Union[Started, Chunk, Done]]] = []
+        self._next_rid = 0
+        # per slot, when keep_memory: the tokens at positions 0.. of its memories, and the logits
+        # row after the last prompt that was decoded there (prompt, row)
+        self._mem: Dict[int, np.ndarray] = {}
+        self._prompt_row: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+        self._prop: Optional[Proposer] = None
+        self._policy: Optional[VerifyPolicy] = None
+        self.proposer = proposer
+        self.policy = policy
+        self._fixed = VerifyPolicy()   # policy None: verify every drafted token
+        cap = target.n_batch
+        self._ids = np.zeros(cap, dtype=np.int32)
+        self._margin = np.zeros(cap, dtype=np.float32)
+        self._rows_tok = np.zeros(cap, dtype=np.int32)
+        self._rows_pos = np.zeros(cap, dtype=np.int32)
+        self._rows_seq = np.zeros(cap, dtype=np.int32)
+        self._ones = np.ones(cap, dtype=np.int8)
+        self._arange = np.arange(cap, dtype=np.int32)
+        self.steps = 0
+        self.verify_batches: List[int] = []
+        # (raw confidences of the drafted block, verified length, accepted) per request-step, for
+        # calibration; only kept when ``record`` is set
+        self.record = False
+        self.records: List[tuple] = []
+
+    # ---- configuration ------------------------------------------------------------------------
+    @property
+    def proposer(self) -> Proposer:
+        return self._prop if self._prop is not None else NoDraft()
+
+    @proposer.setter
+    def proposer(self, proposer: Optional[Proposer]) -> None:
+        """Swap the proposer (between requests): what the old one observed is forgotten."""
+        if self._active:
+            raise RuntimeError("the proposer cannot change while requests are running")
+        self._prop = None if proposer is None or isinstance(proposer, NoDraft) else proposer
+        self._max_draft = 0 if self._prop is None else min(self.n_max, self._prop.max_draft())
+        self._mem.clear()
+        # every request's verify rows go into one target decode (and its block into one draft
+        # decode): llama.cpp aborts on a batch larger than n_batch, so refuse the settings here
+        rows = self.n_slots * (self._max_draft + 1)
+        if self.n_slots == 1:
+            self._max_draft = min(self._max_draft, self.target.n_batch - 1)
+        elif rows > self.target.n_batch:
+            raise ValueError(f"{self.n_slots} sequences x {self._max_draft + 1} verify rows = {rows} exceeds the "
+                             f"target's n_batch {self.target.n_batch}: raise n_batch or lower n_max / the slots")
+        if isinstance(self._prop, DraftModelProposer):
+            blocks = self.n_slots * (self._max_draft + self._prop.offset)
+            if blocks > self._prop.draft.n_batch:
+                raise ValueError(f"{self.n_slots} draft blocks of {self._max_draft + self._prop.offset} rows exceed "
+                                 f"the draft's n_batch {self._prop.draft.n_batch}")
+
+    @property
+    def policy(self) -> Optional[VerifyPolicy]:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Optional[VerifyPolicy]) -> None:
+        if (policy is not None and policy.needs_confidence and isinstance(self._prop, DraftModelProposer)
+                and not self._prop.meta.has_confidence):
+            raise ValueError(f"the {policy.mode} schedule needs a draft with a confidence head")
+        self._policy = policy
+
+    # ---- requests -------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], max_tokens: int = 256, stop: Sequence[str] = (), *,
+               sampling: Optional[SamplingParams] = None, ignore_eos: bool = False,
+               n_max: Optional[int] = None, reuse_prefix: bool = False) -> int:
+        """Queue one request; returns its id.
+
+        ``sampling`` None (or temperature 0 without penalties) is greedy decoding, otherwise
+        speculative sampling with llama.cpp's sampler chain.  ``n_max``: this request's draft
+        block (None: the decoder's), clamped to what the drafter produces.  ``reuse_prefix``
+        (with ``keep_memory``): keep what the slot's memories already hold of this prompt and
+        decode only the rest; the same prompt again costs no target decode.  Off by default: a
+        partial re-decode changes batch shapes, hence the last bits of the logits."""
+        toks = check_prompt(prompt, self.target.n_vocab, self.n_ctx_seq)
+        if isinstance(max_tokens, bool) or int(max_tokens) <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
+            raise TypeError("stop must be a sequence of strings")
+        if not all(stop):
+            raise ValueError("stop strings must be non-empty (an empty one would match before any text)")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        n = self._max_draft if n_max is None else min(check_n_max(n_max), self._max_draft)
+        smp = None
+        if sampling is not None and (not sampling.is_greedy or sampling.has_penalties):
+            # (T = 0 with penalties: one-hot rows at the penalized argmax, as llama.cpp picks)
+            # like llama.cpp's --ignore-eos at T > 0: end-of-generation tokens get a -inf logit bias
+            banned = np.flatnonzero(self.eog) if ignore_eos else None
+            smp = TokenSampler(sampling, toks.tolist(), banned=banned)
+        rid = self._next_rid
+        self._next_rid += 1
+        s = _Seq(rid, toks, int(max_tokens), n, TextStream(self._pieces, stop), smp=smp, ignore_eos=ignore_eos,
+                 reuse=bool(reuse_prefix))
+        s.stats.seed = None if smp is None else smp.seed
+        self._queue.append(s)
+        return rid
+
+    def cancel(self, rid: int) -> bool:
+        """Drop a queued or running request (its slot is free for the next step); False if unknown."""
+        for s in list(self._queue):
+            if s.rid == rid:
+                self._queue.remove(s)
+                return True
+        for s in self._active:
+            if s.rid == rid:
+                self._active.remove(s)
+                self._release(s)
+                return True
+        return False
+
+    def _admit(self) -> None:
+        while self._queue and self._free:
+            s = self._queue.popleft()
+            s.seq_id = self._free.pop()
+            if self.streaming:
+                self._events.append((s.rid, Started(s.seq_id)))
+            if hasattr(self._prop, "bind"):  # per-sequence proposers (e.g. one oracle per prompt)
+                self._prop.bind(s.seq_id, s.prompt)
+            try:
+                self._prefill(s)
+            except BaseException:
+                self._release(s, keep=False)
+                raise
+            if s.finish is None:
+                self._active.append(s)
+            else:
+                self._finish(s)
+
+    # ---- prefill --------------------------------------------------------------------------------
+    def _prefill(self, s: _Seq) -> None:
+        tgt, prop, seq, toks = self.target, self._prop, s.seq_id, s.prompt
+        s.t_start = time.perf_counter()
+        start, row = self._reusable(s) if s.reuse else (0, None)
+        if row is None:
+            if start == 0:
+                tgt.seq_rm(seq, 0, -1)
+                if prop is not None:
+                    prop.reset(seq)
+            nb = tgt.n_batch
+            for c0 in range(start, toks.size, nb):
+                chunk = toks[c0:c0 + nb]
+                tgt.decode(chunk, c0, seq, all_outputs=False)
+                if prop is not None:
+                    prop.observe(0, len(chunk), c0, seq)
+            if self.keep_memory:
+                self._prompt_row[seq] = (toks.copy(), tgt.logits_view(len(chunk) - 1).copy())
+            if s.smp is None:
+                tgt.argmax(len(chunk) - 1, 1, self._ids, self._margin)
+                s.anchor = int(self._ids[0])
+            else:
+                s.anchor = s.smp.sample(s.smp.probs(tgt.logits_view(len(chunk) - 1)))
+        else:
+            s.anchor = int(np.argmax(row)) if s.smp is None else s.smp.sample(s.smp.probs(row))
+        if s.smp is not None:
+            s.smp.accept((s.anchor,))
+        s.stats.n_prompt = int(toks.size)
+        s.stats.ms_prefill = (time.perf_counter() - s.t_start) * 1e3
+        s.pos0 = int(toks.size)
+        self._emit(s, [s.anchor])
+
+    def _reusable(self, s: _Seq) -> Tuple[int, Optional[np.ndarray]]:
+        """Where the prompt's decode starts given what the slot's memories hold (their tail from
+        there removed), and the kept logits row when they hold the whole prompt already."""
+        tgt, prop, seq, toks = self.target, self._prop, s.seq_id, s.prompt
+        mem = self._mem.pop(seq, None)
+        if mem is None:
+            return 0, None
+        m = min(mem.size, toks.size)
+        diff = np.flatnonzero(mem[:m] != toks[:m])
+        start = int(diff[0]) if diff.size else m
+        kept = self._prompt_row.get(seq)
+        if (start == toks.size and kept is not None and np.array_equal(kept[0], toks)
+                and tgt.can_resume_at(seq, start)):
+            row = kept[1]
+        else:
+            row = None
+            start = min(start, toks.size - 1)
+            if not tgt.can_resume_at(seq, start):
+                return 0, None   # an SWA cache no longer holds the window before start: decode it all
+        tgt.seq_rm(seq, start, -1)
+        if prop is not None:
+            prop.rollback(start, seq)
+        return start, row
+
+    # ---- emitting and finishing -------------------------------------------------------------------
+    def _emit(self, s: _Seq, toks: List[int]) -> None:
+        eog, text = None if s.ignore_eos else self.eog, s.text
+        for t in toks:
+            s.out.append(t)
+            s.pending.append(t)
+            if eog is not None and eog[t]:
+                s.finish = "stop"
+                return
+            text.push(t)
+            if text.stopped:
+                s.finish = "stop"
+                return
+            if len(s.out) >= s.max_tokens:
+                s.finish = "length"
+                return
+        if s.pos0 + 1 >= self.n_ctx_seq:
+            s.finish = "length"
+
+    def _release(self, s: _Seq, keep: Optional[bool] = None) -> None:
+        seq = s.seq_id
+        if self.keep_memory if keep is None else keep:   # the memories hold the prompt and the output before the anchor
+            self._mem[seq] = np.concatenate([s.prompt, np.asarray(s.out[:s.pos0 - s.prompt.size], dtype=np.int32)])
+        else:
+            self._mem.pop(seq, None)
+            self.target.seq_rm(seq, 0, -1)
+            if self._prop is not None:
+                self._prop.reset(seq)
+        self._free.append(seq)
+
+    def _finish(self, s: _Seq) -> None:
+        tail = s.text.flush(final=True)
+        s.stats.n_generated = len(s.out)
+        if self._policy is not None and self._prop is not None:
+            s.stats.schedule = self._policy.summary(s.stats.verify_lengths)
+        s.stats.ms_total = (time.perf_counter() - s.t_start) * 1e3 - s.stats.ms_prefill
+        done = Done(s.out, s.text.text, s.finish, s.stats)
+        if self.streaming:
+            if s.pending or tail:
+                self._events.append((s.rid, Chunk(s.pending, tail)))
+            self._events.append((s.rid, done))
+        else:
+            self._done[s.rid] = done
+        s.pending = []
+        self._release(s)
+
+    # ---- one step for every running request -------------------------------------------------------
+    def step(self) -> None:
+        self._admit()
+        act = self._active
+        if not act:
+            return
+        R = len(act)
+        tgt, prop = self.target, self._prop
+        pol = self._policy or self._fixed
+        clock = time.perf_counter
+        t0 = clock()
+        # 1. propose (a request whose block would not fit its context, or that may emit one more
+        # token only, drafts nothing)
+        drafts: List[Optional[np.ndarray]] = [None] * R
+        confs: List[Optional[np.ndarray]] = [None] * R
+        qs: List[Optional[list]] = [None] * R
+        n_in_pass = 0
+        if prop is not None:
+            offset = getattr(prop, "offset", 0)
+            room = [r for r, s in enumerate(act)
+                    if s.n_max > 0 and min(self.n_ctx_seq - s.pos0 - 2, s.max_tokens - len(s.out) - 1) > 0
+                    and s.pos0 + s.n_max + offset <= self.n_ctx_seq]
+            if room and pol.want_draft(len(room)):
+                props = propose_all(prop, [BlockRequest(act[r].anchor, act[r].pos0, act[r].n_max, act[r].seq_id,
+                                                        act[r].smp) for r in room])
+                for r, p in zip(room, props):
+                    s = act[r]
+                    limit = min(self.n_ctx_seq - s.pos0 - 2, s.max_tokens - len(s.out) - 1)
+                    drafts[r] = np.asarray(p.tokens[:limit], dtype=np.int32)
+                    confs[r] = p.confidence
+                    qs[r] = p.probs
+                n_in_pass = len(room)
+        t1 = clock()
+        # 2. verify lengths
+        n_drafted = [0 if d is None else len(d) for d in drafts]
+        lengths = pol.lengths(confs, n_drafted) if n_in_pass else n_drafted
+        if n_in_pass and any(n_drafted):
+            # after the cut: at T > 0 the pass's time depends on the drafted tokens themselves
+            pol.observe_draft(n_in_pass, (t1 - t0) * 1e3)
+        # 3. one target decode with every request's verify rows
+        tok, pos, seqs = self._rows_tok, self._rows_pos, self._rows_seq
+        offs = []
+        n = 0
+        for s, d, k in zip(act, drafts, lengths):
+            offs.append(n)
+            tok[n] = s.anchor
+            if k:
+                tok[n + 1:n + 1 + k] = d[:k]
+            pos[n:n + 1 + k] = self._arange[:1 + k] + s.pos0
+            seqs[n:n + 1 + k] = s.seq_id
+            n += 1 + k
+        tgt.decode_rows(tok[:n], pos[:n], seqs[:n], self._ones[:n])
+        if any(s.smp is None for s in act):
+            tgt.argmax(0, n, self._ids, self._margin)
+        t2 = clock()
+        self.verify_batches.append(n)
+        # 4-6. accept, inject / roll back, emit
+        ms_sample = [0.0] * R
+        for r, (s, k, off) in enumerate(zip(act, lengths, offs)):
+            d = drafts[r][:k] if k else self._ids[:0]
+            eog = None if s.ignore_eos else self.eog
+            if s.smp is None:
+                ids = self._ids[off:off + k + 1]
+                n_acc = greedy_accept(d, ids, eog)
+                s.stats.near_ties += int(np.count_nonzero(self._margin[off:off + n_acc + 1] < self.tie_eps))
+                emitted = ids[:n_acc + 1].tolist()
+            else:
+                ts = clock()
+                dk = d.copy()
+                q_rows = OneHotRows(dk, tgt.n_vocab) if qs[r] is None else qs[r][:k]
+                n_acc, emitted = speculative_accept(dk, q_rows, TargetRows(tgt, s.smp, dk, off), s.smp.rng.random, eog)
+                s.smp.accept(emitted)
+                ms_sample[r] = (clock() - ts) * 1e3
+            s.stats.record(k, n_acc)
+            if prop is not None:
+                if self._policy is not None:
+                    pol.update(k, n_acc, confs[r])
+                if self.record and k > 0 and confs[r] is not None:
+                    self.records.append((confs[r][:len(drafts[r])].copy(), k, n_acc))
+                # like llama.cpp: the draft gets the features of every verify row, then both
+                # memories drop the rejected positions; a step without drafts leaves the row on
+                # the host until the next block (no draft decode while drafting is off)
+                if k:
+                    prop.observe(off, k + 1, s.pos0, s.seq_id)
+                else:
+                    observe_later(prop, off, 1, s.pos0, s.seq_id)
+            if n_acc < k:
+                tgt.seq_rm(s.seq_id, s.pos0 + n_acc + 1, -1)
+                if prop is not None:
+                    prop.rollback(s.pos0 + n_acc + 1, s.seq_id)
+            s.pos0 += n_acc + 1
+            s.anchor = emitted[-1]
+            self._emit(s, emitted)
+        t3 = clock()
+        inject_share = ((t3 - t2) * 1e3 - sum(ms_sample)) / R
+        for r, s in enumerate(act):
+            # the draft pass is shared by the requests that were in it
+            if n_in_pass and drafts[r] is not None:
+                s.stats.ms_draft += (t1 - t0) * 1e3 / n_in_pass
+            s.stats.ms_verify += (t2 - t1) * 1e3 / R
+            s.stats.ms_sample += ms_sample[r]
+            s.stats.ms_inject += inject_share
+        self.steps += 1
+        if all(s.finish is None for s in act):
+            if self.streaming:
+                for s in act:
+                    if s.pending:
+                        self._events.append((s.rid, Chunk(s.pending, s.text.flush())))
+                        s.pending = []
+            return
+        still = []
+        for s in act:
+            if s.finish is None:
+                still.append(s)
+                if self.streaming and s.pending:
+                    self._events.append((s.rid, Chunk(s.pending, s.text.flush())))
+                    s.pending = []
+            else:
+                self._finish(s)
+        self._active = still
+
+    # ---- driving ----------------------------------------------------------------------------------
+    def pending(self) -> int:
+        return len(self._active) + len(self._queue)
+
+    @property
+    def n_active(self) -> int:
+        return len(self._active)
+
+    def result(self, rid: int) -> Optional[Done]:
+        return self._done.get(rid)
+
+    def poll(self) -> List[Tuple[int, Union[Started, Chunk, Done]]]:
+        """Events since the last poll (``streaming`` mode): (rid, Started) when the request got
+        its slot, (rid, Chunk) per step that emitted tokens, then (rid, Done) when it finished."""
+        ev, self._events = self._events, []
+        return ev
+
+    def run(self, prompts: Sequence[Sequence[int]], max_tokens=256, stop: Sequence[str] = (),
+            sampling: Optional[SamplingParams] = None) -> List[Done]:
+        """Decode all prompts (at most n_slots at a time; queued ones join as slots free up).
+
+        ``sampling``: one SamplingParams for all, or a list (one per prompt; each gets its own
+        sampler state)."""
+        mt = max_tokens if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+        sp = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        rids = [self.submit(p, m, stop, sampling=s) for p, m, s in zip(prompts, mt, sp)]
+        while self.pending():
+            self.step()
+        if self.streaming:
+            done = {rid: ev for rid, ev in self.poll() if isinstance(ev, Done)}
+            return [done[r] for r in rids]
+        return [self._done.pop(r) for r in rids]
