@@ -52,7 +52,5 @@ def random_draft_for(target: str, kind: str = "dspark") -> str:
     st = os.stat(target)
     out = cache_dir() / f"random-{kind}-{Path(target).stem}-{st.st_size}.gguf"
     if not out.exists():
-        tmp = out.with_suffix(f".tmp{os.getpid()}")
-        make_test_draft(target, str(tmp), kind=kind)
-        os.replace(tmp, out)
+        make_test_draft(target, str(out), kind=kind)   # written atomically (gguf.write.write_gguf)
     return str(out)

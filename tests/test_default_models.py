@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 from pyllama_dspark.paths import default_draft, default_target
-from pyllama_dspark.gguf.info import read_draft_info, read_target_info, validate_pair
+from pyllama_dspark.gguf.info import read_draft_info, validate_pair
+from pyllama_dspark.gguf.target_info import read_target_info
 
 
 def test_shipped_drafter_fits_the_default_target_and_the_size_budget():

@@ -14,7 +14,11 @@ import numpy as np
 import pytest
 
 from pyllama_dspark.gguf import info as gi
+from pyllama_dspark.gguf import layer_inputs as gl
+from pyllama_dspark.gguf import reader as gr
+from pyllama_dspark.gguf import target_info as gt
 from pyllama_dspark.errors import DraftMismatchError, ModelFileError, UnsupportedArchError
+from pyllama_dspark.gguf.report import format_draft_info
 from pyllama_dspark.gguf.testing import default_target_layers, make_test_draft, pick_mask_token_id
 
 SMOLLM2_LAYERS = 30
@@ -86,7 +90,7 @@ def run_draft_in_llama(target_path, draft_path, prompt=b"The capital of France i
     ids_n = _staging("_Z30llama_model_target_layer_ids_nPK11llama_model", [vp], c_u32)
 
     info = gi.read_draft_info(draft_path)
-    tinfo = gi.read_target_info(target_path)
+    tinfo = gt.read_target_info(target_path)
     gi.validate_pair(info, tinfo)  # never hand llama.cpp a draft that would abort it
 
     L.llama_backend_init()
@@ -230,7 +234,7 @@ def test_quantized_fc_draft_runs(target_path, tmp_path, fc_type):
 # --------------------------------------------------------------------------------------------
 
 def test_read_target_info(target_path):
-    t = gi.read_target_info(target_path)
+    t = gt.read_target_info(target_path)
     assert (t.arch, t.n_embd, t.n_layer, t.n_vocab) == ("llama", SMOLLM2_EMBD, SMOLLM2_LAYERS, SMOLLM2_VOCAB)
     assert t.supports_layer_inputs and not t.accepts_final_layer_id
     assert t.max_layer_id == SMOLLM2_LAYERS - 1 and list(t.valid_layer_ids) == list(range(30))
@@ -240,7 +244,7 @@ def test_read_target_info(target_path):
 
 def test_read_dspark_draft_info(target_path, dspark_draft_path):
     d = gi.read_draft_info(dspark_draft_path)
-    t = gi.read_target_info(target_path)
+    t = gt.read_target_info(target_path)
     assert d.arch == "dflash" and d.kind == "dspark"
     assert d.block_size == 7 and d.max_drafts == 7
     assert d.target_layers_raw == d.target_layer_ids == tuple(default_target_layers(SMOLLM2_LAYERS))
@@ -249,7 +253,7 @@ def test_read_dspark_draft_info(target_path, dspark_draft_path):
     assert d.has_markov and d.markov_rank == 32 and d.has_confidence_head and d.has_conf_bias
     assert d.sample_from_anchor and d.sample_from_anchor_key is True
     assert not d.causal and d.causal_key is False
-    assert d.mask_token_id == 16 == pick_mask_token_id(gi.read_gguf(target_path))
+    assert d.mask_token_id == 16 == pick_mask_token_id(gr.read_gguf(target_path))
     assert (d.n_embd, d.n_layer, d.n_vocab, d.n_vocab_draft) == (SMOLLM2_EMBD, 2, SMOLLM2_VOCAB, SMOLLM2_VOCAB)
     assert d.fc_type == "F32" and d.fc_shape == (5 * SMOLLM2_EMBD, SMOLLM2_EMBD) and not d.fc_is_f16
     assert d.n_embd_inp_enc == 5 * SMOLLM2_EMBD
@@ -257,10 +261,10 @@ def test_read_dspark_draft_info(target_path, dspark_draft_path):
     assert not d.has_own_lm_head and not d.has_d2t and not d.problems
     assert d.tokenizer_fingerprint == t.tokenizer_fingerprint
     # the whole tokenizer (merges, chat template, special ids) is copied from the target
-    rd, rt = gi.read_gguf(dspark_draft_path), gi.read_gguf(target_path)
+    rd, rt = gr.read_gguf(dspark_draft_path), gr.read_gguf(target_path)
     for key in rt.fields:
         if key.startswith("tokenizer."):
-            assert gi.field_value(rd, key) == gi.field_value(rt, key), key
+            assert gr.field_value(rd, key) == gr.field_value(rt, key), key
     assert gi.validate_pair(d, t) == []
 
 
@@ -270,7 +274,7 @@ def test_read_dflash_draft_info(target_path, dflash_draft_path):
     assert not d.has_confidence_head and d.confidence_key is None
     assert d.sample_from_anchor and d.sample_from_anchor_key is None  # llama.cpp's default
     assert d.max_drafts == d.block_size - 1 == 6
-    t = gi.read_target_info(target_path)
+    t = gt.read_target_info(target_path)
     assert d.target_layer_ids == tuple(default_target_layers(SMOLLM2_LAYERS)) and d.mask_token_id == 16
     assert (d.n_embd, d.n_layer, d.n_vocab, d.fc_type) == (SMOLLM2_EMBD, 2, SMOLLM2_VOCAB, "F32")
     assert d.tokenizer_fingerprint == t.tokenizer_fingerprint and d.rope_freq_base == t.rope_freq_base
@@ -287,13 +291,13 @@ def test_default_target_layers_are_valid():
 
 
 def test_format_draft_info(target_path, dspark_draft_path, broken_draft):
-    d, t = gi.read_draft_info(dspark_draft_path), gi.read_target_info(target_path)
-    text = gi.format_draft_info(d, t)
+    d, t = gi.read_draft_info(dspark_draft_path), gt.read_target_info(target_path)
+    text = format_draft_info(d, t)
     assert "dspark" in text and "block_size:       7" in text and "rank 32" in text
     assert "[2, 9, 15, 22, 28]" in text and "compatible" in text and "INCOMPATIBLE" not in text
-    assert "target:" not in gi.format_draft_info(d)
+    assert "target:" not in format_draft_info(d)
     bad = gi.read_draft_info(broken_draft("fc_f16"))
-    text = gi.format_draft_info(bad, t)
+    text = format_draft_info(bad, t)
     assert "PROBLEM" in text and "INCOMPATIBLE" in text and "F16" in text
 
 
@@ -303,18 +307,18 @@ def test_format_draft_info(target_path, dspark_draft_path, broken_draft):
 
 def test_bad_files_raise_model_file_error(tmp_path, dspark_draft_path):
     with pytest.raises(ModelFileError, match="not found"):
-        gi.read_gguf(tmp_path / "missing.gguf")
+        gr.read_gguf(tmp_path / "missing.gguf")
     with pytest.raises(ModelFileError, match="directory"):
         gi.read_draft_info(tmp_path)
     (tmp_path / "text.gguf").write_bytes(b"this is not a gguf file\n" * 4)
     with pytest.raises(ModelFileError, match="magic"):
-        gi.read_target_info(tmp_path / "text.gguf")
+        gt.read_target_info(tmp_path / "text.gguf")
     (tmp_path / "empty.gguf").write_bytes(b"")
     with pytest.raises(ModelFileError, match="empty"):
-        gi.read_gguf(tmp_path / "empty.gguf")
+        gr.read_gguf(tmp_path / "empty.gguf")
 
     size = os.path.getsize(dspark_draft_path)
-    reader = gi.read_gguf(dspark_draft_path)
+    reader = gr.read_gguf(dspark_draft_path)
     last_end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
     # cut inside the metadata, inside the tensor data, and inside the very last tensor
     for cut in (64, 300_000, size // 2, last_end - 2):
@@ -322,7 +326,7 @@ def test_bad_files_raise_model_file_error(tmp_path, dspark_draft_path):
         with open(dspark_draft_path, "rb") as src, open(p, "wb") as dst:
             dst.write(src.read(cut))
         with pytest.raises(ModelFileError, match="truncated"):
-            gi.read_gguf(p)
+            gr.read_gguf(p)
     with pytest.raises(ModelFileError, match="truncated"):
         gi.read_draft_info(p)  # the info readers go through the same check
 
@@ -350,7 +354,7 @@ def test_n_embd_mismatch(target_path, broken_draft):
     d = gi.read_draft_info(p)
     assert d.n_embd == 512
     with pytest.raises(DraftMismatchError, match=r"n_embd 512.*n_embd 576"):
-        gi.validate_pair(d, gi.read_target_info(target_path))
+        gi.validate_pair(d, gt.read_target_info(target_path))
 
 
 def test_vocab_size_mismatch(target_path, tmp_path):
@@ -358,13 +362,13 @@ def test_vocab_size_mismatch(target_path, tmp_path):
     d = gi.read_draft_info(p)
     assert d.n_vocab == 49000
     with pytest.raises(DraftMismatchError, match=r"vocabulary size 49000.*49152"):
-        gi.validate_pair(d, gi.read_target_info(target_path))
+        gi.validate_pair(d, gt.read_target_info(target_path))
 
 
 def test_tokenizer_mismatch(target_path, tmp_path):
     p = _small(target_path, tmp_path / "tok.gguf", {"@perturb_token": 1000})
     d = gi.read_draft_info(p)
-    t = gi.read_target_info(target_path)
+    t = gt.read_target_info(target_path)
     assert d.n_vocab == t.n_vocab and d.tokenizer_fingerprint != t.tokenizer_fingerprint
     with pytest.raises(DraftMismatchError, match="tokenizer"):
         gi.validate_pair(d, t)
@@ -379,12 +383,12 @@ def test_layer_id_out_of_range(target_path, tmp_path, bad_id, pattern):
     d = gi.read_draft_info(p)
     assert d.target_layer_ids == (2, 15, bad_id)
     with pytest.raises(DraftMismatchError, match=pattern):
-        gi.validate_pair(d, gi.read_target_info(target_path))
+        gi.validate_pair(d, gt.read_target_info(target_path))
 
 
 def test_last_layer_id_is_valid(target_path, tmp_path):
     p = _small(target_path, tmp_path / "lid29.gguf", target_layers=[0, SMOLLM2_LAYERS - 1])
-    gi.validate_pair(gi.read_draft_info(p), gi.read_target_info(target_path))
+    gi.validate_pair(gi.read_draft_info(p), gt.read_target_info(target_path))
 
 
 def test_f16_fc_is_rejected(target_path, broken_draft):
@@ -392,7 +396,7 @@ def test_f16_fc_is_rejected(target_path, broken_draft):
     d = gi.read_draft_info(p)
     assert d.fc_type == "F16" and d.fc_is_f16 and any("F16" in x for x in d.problems)
     with pytest.raises(DraftMismatchError, match="F16"):
-        gi.validate_pair(d, gi.read_target_info(target_path))
+        gi.validate_pair(d, gt.read_target_info(target_path))
 
 
 def test_half_markov_head_and_missing_confidence(target_path, tmp_path):
@@ -404,7 +408,7 @@ def test_half_markov_head_and_missing_confidence(target_path, tmp_path):
                {"@drop_tensors": ["conf_proj.weight", "conf_proj.bias"]})
     d = gi.read_draft_info(p)
     assert d.confidence_key is True and not d.has_conf_tensor and not d.has_confidence_head
-    warns = gi.validate_pair(d, gi.read_target_info(target_path))
+    warns = gi.validate_pair(d, gt.read_target_info(target_path))
     assert any("confidence" in w for w in warns)
     # and no confidence head at all
     d = gi.read_draft_info(_small(target_path, tmp_path / "noconf2.gguf", confidence=False))
@@ -429,16 +433,16 @@ def _write_stub_target(path, arch, n_embd=576, n_layer=30, tokens=("a", "b", "c"
 def test_unsupported_target_arch(target_path, dspark_draft_path, tmp_path):
     stub = _write_stub_target(tmp_path / "phi3.gguf", "phi3")
     with pytest.raises(UnsupportedArchError, match="phi3"):
-        gi.read_target_info(stub)
-    t = gi.read_target_info(stub, require_layer_inputs=False)
+        gt.read_target_info(stub)
+    t = gt.read_target_info(stub, require_layer_inputs=False)
     assert not t.supports_layer_inputs and t.arch == "phi3"
     with pytest.raises(UnsupportedArchError, match="phi3"):
         gi.validate_pair(gi.read_draft_info(dspark_draft_path), t)
     # a draft is not a target either
     with pytest.raises(UnsupportedArchError, match="dflash"):
-        gi.read_target_info(dspark_draft_path)
+        gt.read_target_info(dspark_draft_path)
     # an arch that fills layer n_layer accepts that id
-    ds = gi.read_target_info(_write_stub_target(tmp_path / "nh.gguf", "nemotron_h"))
+    ds = gt.read_target_info(_write_stub_target(tmp_path / "nh.gguf", "nemotron_h"))
     assert ds.accepts_final_layer_id and ds.max_layer_id == ds.n_layer == 30
 
 
@@ -508,15 +512,15 @@ def test_layer_input_arch_table_matches_llama_cpp_sources():
     assert {"llama", "qwen3", "gemma4", "nemotron_h", "gpt-oss"} <= set(derived)   # the parser works
     on_purpose = {"qwen4exp", "llama-embed"}     # hyper-connection rows n_embd * hc wide; no KV cache
     assert on_purpose <= set(derived)
-    assert set(derived) - on_purpose == gi.LAYER_INPUT_ARCHS
-    assert set(final) == gi.FINAL_LAYER_INPUT_ARCHS <= gi.LAYER_INPUT_ARCHS
-    for where, archs in gi._LAYER_INPUT_SOURCES.items():
+    assert set(derived) - on_purpose == gl.LAYER_INPUT_ARCHS
+    assert set(final) == gl.FINAL_LAYER_INPUT_ARCHS <= gl.LAYER_INPUT_ARCHS
+    for where, archs in gl._LAYER_INPUT_SOURCES.items():
         fname, line = where.split(":")
         text = (src / "models" / fname).read_text().splitlines()[int(line) - 1]
         assert "t_layer_inp[il]" in text, (where, text)
         assert all(fname in derived[a] for a in archs), where
     for arch in ("gpt2", "phi3", "qwen2", "gemma3", "dflash"):
-        assert arch not in gi.LAYER_INPUT_ARCHS
+        assert arch not in gl.LAYER_INPUT_ARCHS
 
 
 # --------------------------------------------------------------------------------------------
@@ -572,7 +576,7 @@ def test_rejected_pairs_abort_llama_cpp(target_path, broken_draft, case):
         arg, expect = "draft", "GGML_ASSERT"                                              # hazard 5
         draft = broken_draft("n_embd_512")
         with pytest.raises(DraftMismatchError):
-            gi.validate_pair(gi.read_draft_info(draft), gi.read_target_info(target_path))
+            gi.validate_pair(gi.read_draft_info(draft), gt.read_target_info(target_path))
     env = dict(os.environ, GGML_NO_BACKTRACE="1")
     proc = subprocess.run([sys.executable, "-c", _ABORT_SCRIPT, target_path, arg, os.fspath(draft)],
                           capture_output=True, text=True, timeout=120, env=env)

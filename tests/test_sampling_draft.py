@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pyllama_dspark.spec.drafter import DraftModelProposer
-from pyllama_dspark.gguf.info import read_gguf
+from pyllama_dspark.gguf.reader import read_gguf
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
 from pyllama_dspark.spec.sampling import SamplingParams, TokenSampler, chain_probs
 from pyllama_dspark.gguf.info import read_draft_info

@@ -35,7 +35,9 @@ from greedy_ref import first_divergence, greedy, top2_margin
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.spec.oracle import OracleProposer
 from pyllama_dspark.prompts import load_prompts
-from pyllama_dspark.gguf.target_writer import ARCH_SPECS, make_test_target, router_margins
+from pyllama_dspark.gguf.router_margins import router_margins
+from pyllama_dspark.gguf.target_archs import ARCH_SPECS
+from pyllama_dspark.gguf.target_writer import make_test_target
 from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 
 ARCHS = ("llama", "qwen3", "qwen3moe", "gemma4", "gemma4-moe", "gpt-oss")

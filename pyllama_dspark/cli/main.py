@@ -112,7 +112,9 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
               help="Check the pairing with this target GGUF.")
 def inspect(draft, target):
     """Print a draft's DSpark metadata and validate it against a target."""
-    from pyllama_dspark.gguf.info import format_draft_info, read_draft_info, read_target_info, validate_pair
+    from pyllama_dspark.gguf.info import read_draft_info, validate_pair
+    from pyllama_dspark.gguf.report import format_draft_info
+    from pyllama_dspark.gguf.target_info import read_target_info
 
     try:
         d = read_draft_info(draft)
@@ -147,7 +149,7 @@ def make_test_draft_cmd(target, output, kind, n_layers, block_size, markov_rank,
     click.echo(f"wrote {output}")
 
 
-from pyllama_dspark.gguf.target_writer import TARGET_ARCHS as _TARGET_ARCHS  # noqa: E402
+from pyllama_dspark.gguf.target_archs import TARGET_ARCHS as _TARGET_ARCHS  # noqa: E402
 
 
 @main.command("make-test-target")

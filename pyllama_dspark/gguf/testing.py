@@ -15,7 +15,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from pyllama_dspark.gguf.info import DRAFT_ARCH, field_value, read_gguf, read_target_info
+from pyllama_dspark.gguf.info import DRAFT_ARCH
+from pyllama_dspark.gguf.reader import field_value, read_gguf
+from pyllama_dspark.gguf.target_info import read_target_info
 from pyllama_dspark.gguf.write import TENSOR_ENCODINGS, encode, gauss, infer_type, raw_field, same_kind_type, write_gguf
 
 __all__ = [
@@ -100,25 +102,15 @@ def pick_mask_token_id(reader) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# metadata / weight helpers: the shared GGUF writer's (pyllama_dspark.gguf.write)
+# the draft writer (metadata / weight helpers and the atomic write: pyllama_dspark.gguf.write)
 # --------------------------------------------------------------------------------------------
 
-_raw_field = raw_field
-_infer_type = infer_type
-_same_kind_type = same_kind_type
-_gauss = gauss
-
-
 def _encode(arr: np.ndarray, kind: str):
-    """(data, raw_dtype) for GGUFWriter.add_tensor."""
+    """(data, raw_dtype) for GGUFWriter.add_tensor (:func:`encode`, naming ``fc_type`` on a bad kind)."""
     if kind not in TENSOR_ENCODINGS:
         raise ValueError(f"fc_type must be one of {_FC_TYPES}, got {kind!r}")
     return encode(arr, kind)
 
-
-# --------------------------------------------------------------------------------------------
-# the draft writer
-# --------------------------------------------------------------------------------------------
 
 def make_test_draft(
     target_path,
@@ -252,7 +244,7 @@ def make_test_draft(
 
     for key in reader.fields:
         if key.startswith("tokenizer."):
-            meta[key] = _raw_field(reader, key)
+            meta[key] = raw_field(reader, key)
     if "tokenizer.ggml.mask_token_id" not in meta:
         meta["tokenizer.ggml.mask_token_id"] = (pick_mask_token_id(reader), vt.UINT32, None)
 
@@ -291,14 +283,14 @@ def make_test_draft(
         if value is None:
             meta.pop(key, None)
             continue
-        if key in meta and _same_kind_type(value, meta[key][1], meta[key][2]):
+        if key in meta and same_kind_type(value, meta[key][1], meta[key][2]):
             old = meta[key]
             if old[1] == vt.ARRAY:
                 meta[key] = (list(value), old[1], old[2])
             else:
                 meta[key] = (value, old[1], None)
         else:
-            meta[key] = _infer_type(key, value)
+            meta[key] = infer_type(key, value)
 
     # ---- tensors (numpy shape = reversed ggml ne)
     tensors: "OrderedDict[str, Tuple[np.ndarray, Any]]" = OrderedDict()
@@ -307,32 +299,32 @@ def make_test_draft(
         tensors[name] = _encode(arr, enc)
 
     ones = lambda n: np.ones((n,), dtype=np.float32)  # noqa: E731
-    put("fc.weight", _gauss(rng, (n_embd, n_in), n_in), fc_type)
+    put("fc.weight", gauss(rng, (n_embd, n_in), n_in), fc_type)
     if pseudo.get("@fc_scale"):
         put("fc.scale", np.ones((1,), dtype=np.float32))
     put("enc.output_norm.weight", ones(n_embd))
     for il in range(int(n_layers)):
         p = f"blk.{il}."
         put(p + "attn_norm.weight", ones(n_embd))
-        put(p + "attn_q.weight", _gauss(rng, (n_head * head_dim, n_embd), n_embd))
-        put(p + "attn_k.weight", _gauss(rng, (n_head_kv * head_dim, n_embd), n_embd))
-        put(p + "attn_v.weight", _gauss(rng, (n_head_kv * head_dim, n_embd), n_embd))
-        put(p + "attn_output.weight", _gauss(rng, (n_embd, n_head * head_dim), n_head * head_dim))
+        put(p + "attn_q.weight", gauss(rng, (n_head * head_dim, n_embd), n_embd))
+        put(p + "attn_k.weight", gauss(rng, (n_head_kv * head_dim, n_embd), n_embd))
+        put(p + "attn_v.weight", gauss(rng, (n_head_kv * head_dim, n_embd), n_embd))
+        put(p + "attn_output.weight", gauss(rng, (n_embd, n_head * head_dim), n_head * head_dim))
         put(p + "attn_q_norm.weight", ones(head_dim))
         put(p + "attn_k_norm.weight", ones(head_dim))
         put(p + "ffn_norm.weight", ones(n_embd))
-        put(p + "ffn_gate.weight", _gauss(rng, (n_ff, n_embd), n_embd))
-        put(p + "ffn_up.weight", _gauss(rng, (n_ff, n_embd), n_embd))
-        put(p + "ffn_down.weight", _gauss(rng, (n_embd, n_ff), n_ff))
+        put(p + "ffn_gate.weight", gauss(rng, (n_ff, n_embd), n_embd))
+        put(p + "ffn_up.weight", gauss(rng, (n_ff, n_embd), n_embd))
+        put(p + "ffn_down.weight", gauss(rng, (n_embd, n_ff), n_ff))
     put("output_norm.weight", ones(n_embd))
     if kind == "dspark":
         r = int(markov_rank)
-        put("markov_w1.weight", _gauss(rng, (n_vocab, r), 1))
-        put("markov_w2.weight", _gauss(rng, (n_vocab, r), r))
+        put("markov_w1.weight", gauss(rng, (n_vocab, r), 1))
+        put("markov_w2.weight", gauss(rng, (n_vocab, r), r))
         if pseudo.get("@markov_scale"):
             put("markov_w2.scale", np.ones((1,), dtype=np.float32))
         if confidence:
-            put("conf_proj.weight", _gauss(rng, (1, n_embd + r), n_embd + r))
+            put("conf_proj.weight", gauss(rng, (1, n_embd + r), n_embd + r))
             put("conf_proj.bias", np.full((1,), 0.25, dtype=np.float32))
     for name, (arr, enc) in (weights or {}).items():
         put(name, arr, enc)

@@ -56,7 +56,8 @@ from llama_cpp.llama_speculative import LlamaDraftModel
 from pyllama_dspark.llama.amx import check_model
 from pyllama_dspark.spec.drafter import DraftModelProposer, check_n_max, clamp_n_max
 from pyllama_dspark.errors import ClosedError
-from pyllama_dspark.gguf.info import read_draft_info, read_target_info, validate_pair
+from pyllama_dspark.gguf.info import read_draft_info, validate_pair
+from pyllama_dspark.gguf.target_info import read_target_info
 from pyllama_dspark.llama.handles import BorrowedTarget, ContextSettings, Draft, Owned
 
 _FA_NAMES = {

@@ -62,7 +62,7 @@ def _tensor_values(reader, name: str) -> Optional[np.ndarray]:
 
 def read_conf_head(path: str, n_embd: int, rank: int) -> Optional[ConfHead]:
     """The confidence head of a DSpark draft GGUF (None when it has none)."""
-    from pyllama_dspark.gguf.info import read_gguf
+    from pyllama_dspark.gguf.reader import read_gguf
 
     r = read_gguf(os.fspath(path))
     w = _tensor_values(r, "conf_proj.weight")
@@ -77,7 +77,7 @@ def read_conf_head(path: str, n_embd: int, rank: int) -> Optional[ConfHead]:
 
 def read_d2t(path: str) -> Optional[np.ndarray]:
     """The draft-row -> target-id table of a reduced-vocabulary draft (None for a full vocabulary)."""
-    from pyllama_dspark.gguf.info import read_gguf
+    from pyllama_dspark.gguf.reader import read_gguf
 
     t = _tensor_values(read_gguf(os.fspath(path)), "d2t")
     return None if t is None else t.astype(np.int64)

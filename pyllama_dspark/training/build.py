@@ -6,7 +6,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pyllama_dspark.gguf.info import read_gguf, read_target_info
+from pyllama_dspark.gguf.reader import read_gguf
+from pyllama_dspark.gguf.target_info import read_target_info
 from pyllama_dspark.gguf.testing import default_target_layers, pick_mask_token_id
 
 __all__ = ["target_tensor", "make_spec", "build_model", "feature_scale"]

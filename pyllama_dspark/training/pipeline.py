@@ -62,7 +62,7 @@ def split_indices(n: int, every: int) -> tuple:
 def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: PipelineConfig,
                  stages: Sequence[str] = ("data", "train", "export"), echo: Callable[[str], None] = print,
                  prompt_dir: Optional[Path] = None) -> dict:
-    from pyllama_dspark.gguf.info import read_target_info
+    from pyllama_dspark.gguf.target_info import read_target_info
     from pyllama_dspark.gguf.testing import default_target_layers
 
     work = Path(work_dir)

@@ -1,0 +1,65 @@
+"""The human-readable report of a draft and its fit to a target (``pyllama-dspark inspect``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pyllama_dspark.errors import DraftMismatchError
+from pyllama_dspark.gguf.info import DraftInfo, validate_pair
+from pyllama_dspark.gguf.target_info import TargetInfo
+
+__all__ = ["format_draft_info"]
+
+
+def _yn(v: Optional[bool]) -> str:
+    return "absent" if v is None else ("true" if v else "false")
+
+
+def format_draft_info(draft_info: DraftInfo, target_info: Optional[TargetInfo] = None) -> str:
+    """Human-readable report of a draft (and its fit to a target) for ``pyllama-dspark inspect``."""
+    d = draft_info
+    lines = [
+        f"draft:              {d.path}",
+        f"  arch / kind:      {d.arch} / {d.kind}" + ("  (DFlash2 selector)" if d.is_dflash2 else ""),
+        f"  layers:           {d.n_layer} x (n_embd {d.n_embd}, heads {d.n_head}/{d.n_head_kv} kv, "
+        f"head_dim {d.head_dim}, n_ff {d.n_ff})",
+        f"  block_size:       {d.block_size}  (max drafts per block: {d.max_drafts})",
+        f"  target_layers:    {list(d.target_layers_raw)} as stored = layer-input ids "
+        f"(HF hidden-state ids {list(d.target_layers_hf)}); feature row {d.n_embd_inp_enc} floats",
+        f"  sample_from_anchor: {d.sample_from_anchor} (key {_yn(d.sample_from_anchor_key)})",
+        f"  causal attention: {d.causal} (key {_yn(d.causal_key)})",
+        "  markov head:      " + (f"rank {d.markov_rank}" + (" + w2 scale" if d.has_markov_scale else "")
+                                   if d.has_markov else "none"),
+        f"  confidence head:  {d.has_confidence_head} (key {_yn(d.confidence_key)}, "
+        f"conf_proj tensor {'present' if d.has_conf_tensor else 'absent'})",
+        f"  mask token id:    {d.mask_token_id}",
+        f"  vocabulary:       {d.n_vocab} tokens ({d.tokenizer_model}, fingerprint {d.tokenizer_fingerprint[:16]})"
+        + (f"; reduced draft vocab {d.n_vocab_draft} via d2t" if d.has_d2t else ""),
+        "  lm_head / embd:   " + ("own" if d.has_own_lm_head else "shared from the target (ctx_other)"),
+        f"  fc.weight:        {d.fc_type} ne {list(d.fc_shape)}" + (" + scale" if d.has_fc_scale else ""),
+        f"  rope:             {d.rope_type}, freq_base {d.rope_freq_base:g}"
+        + (f", sections {list(d.rope_sections)}" if any(d.rope_sections) else ""),
+    ]
+    for p in d.problems:
+        lines.append(f"  PROBLEM: {p}")
+    for n in d.notes:
+        lines.append(f"  note: {n}")
+    if target_info is not None:
+        t = target_info
+        lines += [
+            f"target:             {t.path}",
+            f"  arch:             {t.arch} ({'layer inputs supported' if t.supports_layer_inputs else 'NO layer-input capture'})",
+            f"  n_layer / n_embd: {t.n_layer} / {t.n_embd}; valid layer ids 0..{t.max_layer_id}",
+            f"  vocabulary:       {t.n_vocab} tokens ({t.tokenizer_model}, fingerprint {t.tokenizer_fingerprint[:16]})",
+        ]
+        try:
+            warns = validate_pair(d, t)
+        except DraftMismatchError as exc:  # includes UnsupportedArchError
+            lines.append(f"pair:               INCOMPATIBLE: {exc}")
+        else:
+            lines.append("pair:               compatible")
+            seen = set(d.notes)
+            for w in warns:
+                if w not in seen:
+                    lines.append(f"  warning: {w}")
+    return "\n".join(lines)
