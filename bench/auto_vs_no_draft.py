@@ -29,7 +29,7 @@ from pyllama_dspark.spec.oracle import OracleProposer
 from pyllama_dspark.paths import default_draft, default_target, random_draft_for
 from pyllama_dspark.spec.policy import policy_for
 from pyllama_dspark.prompts import load_prompts
-from pyllama_dspark.spec.sampling import SamplingParams
+from pyllama_dspark.spec.sampling_params import SamplingParams
 
 
 def rotated(xs, i):

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.paths import default_target, random_draft_for
-from pyllama_dspark.tools.llama_server import LlamaServer, ensure_llama_server
+from pyllama_dspark.tools.llama_server import LlamaServer
+from pyllama_dspark.tools.llama_server_build import ensure_llama_server
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 

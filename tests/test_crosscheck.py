@@ -55,7 +55,7 @@ def test_first_divergence():
 # ---- end to end ------------------------------------------------------------------------------
 
 def test_crosscheck_passes_on_a_sound_draft(target_path, dspark_draft_path, tmp_path):
-    from pyllama_dspark.tools.llama_server import ensure_llama_server
+    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
 
     binary = ensure_llama_server()
     out = tmp_path / "cc.json"

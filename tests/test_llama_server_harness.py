@@ -34,13 +34,14 @@ def target_path():
 
 @pytest.fixture(scope="module")
 def server_binary():
-    from pyllama_dspark.tools import llama_server as ls
+    from pyllama_dspark.tools.llama_server_build import _check_toolchain, ensure_llama_server
+    from pyllama_dspark.tools.llama_server_sdist import LlamaServerBuildError
 
     try:
-        ls._check_toolchain()
-    except ls.LlamaServerBuildError as exc:
+        _check_toolchain()
+    except LlamaServerBuildError as exc:
         pytest.skip(f"cannot build llama-server here: {exc}")
-    return ls.ensure_llama_server()
+    return ensure_llama_server()
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,7 @@ def test_prompt_tokens_are_used_verbatim_and_greedy_matches(server_binary, targe
 
 
 def test_log_parser_reads_trace_lines():
-    from pyllama_dspark.tools.llama_server import parse_draft_acceptance, parse_spec_steps
+    from pyllama_dspark.tools.llama_server_log import parse_draft_acceptance, parse_spec_steps
 
     log = (
         "slot update_slots: id  0 | task 7 | accepted  3/ 7 draft tokens\n"

@@ -8,7 +8,8 @@ from gguf import GGUFReader
 
 from pyllama_dspark.llama import _native as nat
 from pyllama_dspark.errors import NativeError
-from pyllama_dspark.llama.handles import ContextSettings, Draft, MarkovHead, Target, read_draft_meta
+from pyllama_dspark.llama.draft_meta import read_draft_meta
+from pyllama_dspark.llama.handles import ContextSettings, Draft, MarkovHead, Target
 
 
 def test_one_libllama_in_the_process():

@@ -28,9 +28,10 @@ from llama_sampler_ref import LlamaChain
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.decode.loop import Decoder
 from pyllama_dspark.decode.engine import SpecDecoder
-from pyllama_dspark.llama.handles import ContextSettings, Draft, Target, read_draft_meta
+from pyllama_dspark.llama.draft_meta import read_draft_meta
+from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
 from pyllama_dspark.spec.oracle import OracleProposer
-from pyllama_dspark.spec.sampling import SamplingParams
+from pyllama_dspark.spec.sampling_params import SamplingParams
 
 PENALTY = 1.3
 N = 16
@@ -186,7 +187,8 @@ def test_server_keeps_penalties_at_temperature_0():
 
 @pytest.mark.slow
 def test_llama_server_same_tokens(target_path, dspark_draft_path, cases):
-    from pyllama_dspark.tools.llama_server import LlamaServer, ensure_llama_server
+    from pyllama_dspark.tools.llama_server import LlamaServer
+    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
 
     binary = ensure_llama_server()
     with LlamaServer(binary, target_path, dspark_draft_path, spec_type="draft-dspark", n_max=7, ctx=4096,

@@ -439,7 +439,8 @@ def _negative_controls(ex: DraftReference, toks, pos0, h_ll, delta) -> dict:
 
 def _shim_features(target_path: str, draft_path: str, n: int) -> np.ndarray:
     """Layer inputs of the draft's target layers for the first n tokens of a real prompt."""
-    from pyllama_dspark.llama.handles import ContextSettings, Target, read_draft_meta
+    from pyllama_dspark.llama.draft_meta import read_draft_meta
+    from pyllama_dspark.llama.handles import ContextSettings, Target
 
     meta = read_draft_meta(draft_path)
     settings = ContextSettings(n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2)

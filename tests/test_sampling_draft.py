@@ -21,7 +21,9 @@ import pytest
 from pyllama_dspark.spec.drafter import DraftModelProposer
 from pyllama_dspark.gguf.reader import read_gguf
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
-from pyllama_dspark.spec.sampling import SamplingParams, TokenSampler, chain_probs
+from pyllama_dspark.spec.chain import chain_probs
+from pyllama_dspark.spec.sampling import TokenSampler
+from pyllama_dspark.spec.sampling_params import SamplingParams
 from pyllama_dspark.gguf.info import read_draft_info
 from test_sampling_rule import chi2_pvalue
 

@@ -36,7 +36,7 @@ from greedy_ref import open_llama, TEST_THREADS
 from llama_sampler_ref import LlamaChain
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.spec.oracle import TableOracleProposer
-from pyllama_dspark.spec.sampling import SamplingParams
+from pyllama_dspark.spec.sampling_params import SamplingParams
 from test_sampling_rule import chi2_sf
 
 N_ORACLE = int(os.environ.get("PYLLAMA_DSPARK_E2E_SAMPLES", "1000"))

@@ -17,7 +17,10 @@ import pytest
 from llama_sampler_ref import LlamaChain
 from pyllama_dspark.llama import _native as nat
 from pyllama_dspark.errors import NativeError
-from pyllama_dspark.spec.sampling import Dist, SamplingParams, TokenSampler, chain_dist, sample_from
+from pyllama_dspark.spec.chain import chain_dist
+from pyllama_dspark.spec.dist import Dist, sample_from
+from pyllama_dspark.spec.sampling import TokenSampler
+from pyllama_dspark.spec.sampling_params import SamplingParams
 from pyllama_dspark.spec.verify import residual, speculative_accept
 from test_sampling_rule import P1, Q1, P_MIN, chi2_pvalue
 
@@ -320,7 +323,8 @@ def test_exception_guard():
 
 
 def test_absurd_inject_is_refused_before_allocating(target_path, dspark_draft_path):
-    from pyllama_dspark.llama.handles import ContextSettings, Draft, Target, read_draft_meta
+    from pyllama_dspark.llama.draft_meta import read_draft_meta
+    from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
 
     meta = read_draft_meta(dspark_draft_path)
     s = ContextSettings(n_ctx=256, n_threads=2)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from pyllama_dspark.spec.sampling import sample_from
+from pyllama_dspark.spec.dist import sample_from
 from pyllama_dspark.spec.verify import speculative_accept
 
 P_MIN = 1e-3

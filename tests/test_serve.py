@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from greedy_ref import check_near_tie_text
-from pyllama_dspark.tools.llama_server import parse_draft_acceptance
+from pyllama_dspark.tools.llama_server_log import parse_draft_acceptance
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 from serve_helpers import SESSION, ServeProcess, sse_events, sse_json
@@ -273,7 +273,7 @@ def _first_token_law(refs, prompt, **params):
     from llama_cpp import llama_cpp as ll
 
     from llama_sampler_ref import LlamaChain
-    from pyllama_dspark.spec.sampling import SamplingParams
+    from pyllama_dspark.spec.sampling_params import SamplingParams
 
     llm = refs.llm
     llm.reset()
@@ -534,13 +534,14 @@ def test_openai_client(server1, llama_refs):
 
 def _speed_bench_module():
     """llama.cpp's SpeedBench client from the vendored llama.cpp sources, imported unchanged."""
-    from pyllama_dspark.tools import llama_server as ls
+    from pyllama_dspark.tools import llama_server_sdist as sdist
+    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
 
-    ls.ensure_llama_server()  # extracts (and builds from) the llama-cpp-python sdist once
-    root = ls.llama_server_cache_dir()
+    ensure_llama_server()  # extracts (and builds from) the llama-cpp-python sdist once
+    root = sdist.llama_server_cache_dir()
     d = root / "src" / "tools" / "server" / "bench" / "speed-bench"
     if not (d / "speed_bench.py").is_file():
-        ls._extract_llama_cpp(ls._locate_sdist(ls.llama_cpp_python_version(), root, None), root / "src")
+        sdist.extract_llama_cpp(sdist.locate_sdist(sdist.llama_cpp_python_version(), root, None), root / "src")
     assert (d / "speed_bench.py").is_file(), d
     if "datasets" not in sys.modules:
         try:

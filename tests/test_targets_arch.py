@@ -219,7 +219,7 @@ def test_router_margin_diagnostic_sees_small_margins(tmp_path):
 
 @pytest.fixture(scope="module")
 def server_binary():
-    from pyllama_dspark.tools.llama_server import ensure_llama_server
+    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
 
     return ensure_llama_server()
 

@@ -63,7 +63,7 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
         raise click.BadParameter("must be >= 0", param_hint="--temp")
     sampling = None
     if temp > 0:
-        from pyllama_dspark.spec.sampling import SamplingParams
+        from pyllama_dspark.spec.sampling_params import SamplingParams
 
         sampling = SamplingParams(temperature=temp, seed=seed)
     target = model or default_target()

@@ -74,7 +74,8 @@ def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max
             except NotImplementedError as e:
                 click.echo(f"warning: no numpy reference for this draft ({e}); draft-graph check skipped", err=True)
         if llama_server:
-            from pyllama_dspark.tools.llama_server import LlamaServer, ensure_llama_server
+            from pyllama_dspark.tools.llama_server import LlamaServer
+            from pyllama_dspark.tools.llama_server_build import ensure_llama_server
 
             binary = ensure_llama_server() if llama_server == "auto" else llama_server
             spec_type = "draft-dspark" if sp.proposer.name == "dspark" else "draft-dflash"

@@ -60,7 +60,7 @@ def train_cmd(target, out, work_dir, stages, n_prompts, slots, max_new, sampled_
     except ImportError:
         raise click.ClickException("training needs PyTorch: pip install 'pyllama-dspark[train]'")
     from pyllama_dspark.cli.common import default_target
-    from pyllama_dspark.llama.handles import default_threads
+    from pyllama_dspark.llama.backend import default_threads
     from pyllama_dspark.prompts import default_prompt_dir
     from pyllama_dspark.training.datagen import GenConfig
     from pyllama_dspark.training.pipeline import PipelineConfig, run_pipeline

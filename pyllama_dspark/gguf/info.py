@@ -45,16 +45,13 @@ from pyllama_dspark.errors import DraftMismatchError, UnsupportedArchError
 from pyllama_dspark.gguf.layer_inputs import unsupported_arch_message
 from pyllama_dspark.gguf.reader import (cached_info, check_path, field_value, ggml_ne, n_tokens, read_gguf,
                                         scalar_field, tensor_map, tokenizer_fingerprint)
-from pyllama_dspark.gguf.target_info import TargetInfo, read_target_info
+from pyllama_dspark.gguf.target_info import TargetInfo
 
 __all__ = [
     "DRAFT_ARCH",
     "DraftInfo",
     "read_draft_info",
     "validate_pair",
-    # re-exported: pyllama_dspark.llama (models, handles) imports them from here
-    "read_gguf",
-    "read_target_info",
 ]
 
 DRAFT_ARCH = "dflash"

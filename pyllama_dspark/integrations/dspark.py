@@ -37,9 +37,10 @@ from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, check_n_max
 from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.errors import ContextOverflowError
-from pyllama_dspark.llama.handles import BorrowedTarget, Draft, Owned
+from pyllama_dspark.llama.borrowed import BorrowedTarget
+from pyllama_dspark.llama.handles import Draft, Owned
 from pyllama_dspark.integrations.llama_plugin import borrow_target, close_with_context, llama_ctx, llama_settings
-from pyllama_dspark.spec.sampling import SamplingParams
+from pyllama_dspark.spec.sampling_params import SamplingParams
 
 
 def _unsupported(**given) -> None:

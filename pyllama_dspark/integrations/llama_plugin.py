@@ -58,7 +58,8 @@ from pyllama_dspark.spec.drafter import DraftModelProposer, check_n_max, clamp_n
 from pyllama_dspark.errors import ClosedError
 from pyllama_dspark.gguf.info import read_draft_info, validate_pair
 from pyllama_dspark.gguf.target_info import read_target_info
-from pyllama_dspark.llama.handles import BorrowedTarget, ContextSettings, Draft, Owned
+from pyllama_dspark.llama.borrowed import BorrowedTarget
+from pyllama_dspark.llama.handles import ContextSettings, Draft, Owned
 
 _FA_NAMES = {
     int(ll.LLAMA_FLASH_ATTN_TYPE_AUTO): "auto",

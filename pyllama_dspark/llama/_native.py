@@ -2,7 +2,7 @@
 
 The shim links libllama / libggml by SONAME only, so it must be loaded after ``llama_cpp`` has
 loaded its own copies: then both resolve to the same library (checked by ``same_libllama()``).
-Only this module and :mod:`handles` touch ctypes.
+Only this module and the handle modules (:mod:`handles`, :mod:`draft_meta`) touch ctypes.
 """
 
 from __future__ import annotations

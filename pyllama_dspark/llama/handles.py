@@ -1,26 +1,28 @@
-"""Owned llama.cpp models and contexts (target and draft) with deterministic close().
+"""Owned llama.cpp models and contexts (target and draft) and the draft's Markov head, each with a
+deterministic close().
 
 Every native pointer is owned by exactly one object here; ``close()`` frees it (idempotent), a
 context manager closes on exit, and any use after close raises :class:`ClosedError`.  A target
 closes the drafts attached to it first (the draft context reads the target's embeddings through
-``ctx_other``).  Everything that llama.cpp would abort on is validated before the call.
+``ctx_other``).  Everything that llama.cpp would abort on is validated before the call.  A target
+context owned by someone else is :class:`~pyllama_dspark.llama.borrowed.BorrowedTarget`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import threading
 import weakref
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
 
 import numpy as np
 import llama_cpp
 from llama_cpp import llama_cpp as ll
-from llama_cpp import _logger as _ll_logger
 
 from pyllama_dspark.llama import _native as nat
+from pyllama_dspark.llama.backend import check_gguf_file, default_threads, ensure_backend
+from pyllama_dspark.llama.draft_meta import DraftMeta
 from pyllama_dspark.errors import ClosedError, DraftMismatchError, ModelFileError, NativeError
 
 _FLASH_ATTN = {
@@ -28,81 +30,6 @@ _FLASH_ATTN = {
     "on": ll.LLAMA_FLASH_ATTN_TYPE_ENABLED,
     "off": ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
-
-_backend_lock = threading.Lock()
-_backend_ready = False
-
-
-def _ensure_backend(verbose: bool) -> None:
-    global _backend_ready
-    _ll_logger.set_verbose(verbose)
-    with _backend_lock:
-        if not _backend_ready:
-            ll.llama_backend_init()
-            _backend_ready = True
-
-
-def default_threads() -> int:
-    """Like llama.cpp: all cores for batches; leaves the machine usable on a 2-core box."""
-    return max(1, os.cpu_count() or 1)
-
-
-def _check_gguf_file(path: str) -> str:
-    """Cheap checks before llama_model_load_from_file (which aborts on some bad files)."""
-    p = os.fspath(path)
-    if not os.path.exists(p):
-        raise ModelFileError(f"model file not found: {p}")
-    if os.path.isdir(p):
-        raise ModelFileError(f"model path is a directory, not a GGUF file: {p}")
-    from pyllama_dspark.gguf.info import read_gguf  # full structural check (magic, truncation)
-
-    read_gguf(p)
-    return p
-
-
-@dataclass
-class DraftMeta:
-    target_layers: List[int]
-    block_size: int
-    mask_token_id: int
-    sample_from_anchor: bool
-    causal: bool
-    has_confidence: bool
-    has_markov: bool
-    markov_rank: int
-    has_d2t: bool
-    n_vocab_draft: int
-
-    @property
-    def kind(self) -> str:
-        return "dspark" if self.has_markov else "dflash"
-
-    @property
-    def block_offset(self) -> int:
-        """Block row of the first draft: 0 for anchor-first DSpark ([anchor, mask x (k-1)], row i
-        predicts position pos0+1+i), 1 for DFlash and bonus-anchor DSpark ([anchor, mask x k])."""
-        return 0 if (self.has_markov and self.sample_from_anchor) else 1
-
-    @classmethod
-    def from_native(cls, m: nat.DraftMeta) -> "DraftMeta":
-        return cls(
-            target_layers=[int(m.target_layers[i]) for i in range(m.n_target_layers)],
-            block_size=int(m.block_size),
-            mask_token_id=int(m.mask_token_id),
-            sample_from_anchor=bool(m.sample_from_anchor),
-            causal=bool(m.causal),
-            has_confidence=bool(m.has_confidence),
-            has_markov=bool(m.has_markov),
-            markov_rank=int(m.markov_rank),
-            has_d2t=bool(m.has_d2t),
-            n_vocab_draft=int(m.n_vocab_draft),
-        )
-
-
-def read_draft_meta(path: str) -> DraftMeta:
-    m = nat.DraftMeta()
-    nat.check(nat.read_draft_meta(os.fsencode(path), ctypes.byref(m)), f"reading draft metadata of {path}")
-    return DraftMeta.from_native(m)
 
 
 class Owned:
@@ -176,8 +103,8 @@ class _ModelCtx(Owned):
 
     def _load(self, path: str, settings: ContextSettings, ctx_other=None) -> None:
         settings.validate()
-        _ensure_backend(settings.verbose)
-        self.path = _check_gguf_file(path)
+        ensure_backend(settings.verbose)
+        self.path = check_gguf_file(path)
         self.settings = settings
         mp = ll.llama_model_default_params()
         mp.n_gpu_layers = settings.n_gpu_layers
@@ -192,13 +119,17 @@ class _ModelCtx(Owned):
             ll.llama_model_free(self.model)
             self.model = None
             raise NativeError(f"llama.cpp could not create a context for {self.path}")
+        self._read_sizes()
+        self._closed = False
+
+    def _read_sizes(self) -> None:
+        """The vocabulary, sizes and memory of ``self.model`` / ``self.ctx``."""
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
         self.n_embd = int(ll.llama_model_n_embd(self.model))
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
         self.n_batch = int(ll.llama_n_batch(self.ctx))
         self.memory = ll.llama_get_memory(self.ctx)
-        self._closed = False
 
     def _free_model_ctx(self) -> None:
         if getattr(self, "ctx", None):
@@ -270,6 +201,12 @@ class Target(_ModelCtx):
         self.handle = None
         self._eog = None
         self._load(path, settings or ContextSettings())
+        self._start_capture(capture_layers, allow_last_layer)
+        self._init_buffers()
+
+    def _start_capture(self, capture_layers: Sequence[int], allow_last_layer: bool) -> None:
+        """Check the layer ids against the target and create the shim's capture/decode handle
+        (on failure: ``close()``, then raise)."""
         self.n_layer = int(ll.llama_model_n_layer(self.model))
         ids = np.asarray(list(capture_layers), dtype=np.int32)
         hi = self.n_layer if allow_last_layer else self.n_layer - 1
@@ -285,6 +222,8 @@ class Target(_ModelCtx):
             msg = nat.error_message()
             self.close()
             raise NativeError(f"enabling target feature capture: {msg}")
+
+    def _init_buffers(self) -> None:
         self.feature_width = int(nat.target_feature_width(self.handle))
         self._ones = np.ones(self.n_batch, dtype=np.int8)
         self._zeros = np.zeros(self.n_batch, dtype=np.int8)
@@ -295,13 +234,17 @@ class Target(_ModelCtx):
     def close(self) -> None:
         if self._closed and not getattr(self, "model", None):
             return
+        self._release_capture()
+        self._free_model_ctx()
+        self._closed = True
+
+    def _release_capture(self) -> None:
+        """Close the attached drafts, then free the shim's handle."""
         for d in list(getattr(self, "_drafts", ())):
             d.close()
         if getattr(self, "handle", None):
             nat.target_free(self.handle)
             self.handle = None
-        self._free_model_ctx()
-        self._closed = True
 
     # ---- tokens --------------------------------------------------------------------------------
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = True) -> List[int]:
@@ -386,96 +329,6 @@ class Target(_ModelCtx):
         out = np.empty((n, self.feature_width), dtype=np.float32)
         nat.check(nat.target_copy_features(self.handle, row0, n, nat.ptr_f32(out)), "copy target features")
         return out
-
-
-class BorrowedTarget(Target):
-    """A target context owned by someone else (llama-cpp-python's ``Llama``), with capture enabled.
-
-    Same interface as :class:`Target` (decode, argmax, features, tokenize, drafts attach to it), but
-    ``close()`` frees only what this object made (the shim's capture handle and the drafts attached
-    to it), never the context or the model.  The owner must close this object before it frees the
-    context (the integration layer hooks the owner's close for that).  Capture stays enabled on the
-    context afterwards (turning it off would force llama.cpp to re-reserve its graph).
-    """
-
-    _what = "borrowed target"
-
-    def __init__(self, ctx, settings: ContextSettings, capture_layers: Sequence[int] = (),
-                 allow_last_layer: bool = False):
-        if not ctx:
-            raise ClosedError("the llama_context to borrow is NULL (its owner was closed?)")
-        self._drafts: "weakref.WeakSet[Draft]" = weakref.WeakSet()
-        self.handle = None
-        self._eog = None
-        self.path = None
-        self.settings = settings
-        self.ctx = ctx
-        self.model = ll.llama_get_model(ctx)
-        self.vocab = ll.llama_model_get_vocab(self.model)
-        self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
-        self.n_embd = int(ll.llama_model_n_embd(self.model))
-        self.n_ctx = int(ll.llama_n_ctx(ctx))
-        self.n_batch = int(ll.llama_n_batch(ctx))
-        self.n_seq_max = int(ll.llama_n_seq_max(ctx))
-        self.memory = ll.llama_get_memory(ctx)
-        self.n_layer = int(ll.llama_model_n_layer(self.model))
-        ids = np.asarray(list(capture_layers), dtype=np.int32)
-        hi = self.n_layer if allow_last_layer else self.n_layer - 1
-        bad = [int(i) for i in ids if i < 0 or i > hi]
-        if bad:
-            raise DraftMismatchError(
-                f"target layer ids {bad} are outside 0..{hi} for this target (n_layer = {self.n_layer})")
-        self.capture_layers = [int(i) for i in ids]
-        self.handle = nat.target_new(ctx, nat.ptr_i32(ids) if len(ids) else None, len(ids),
-                                     1 if allow_last_layer else 0)
-        if not self.handle:
-            raise NativeError(f"enabling target feature capture: {nat.error_message()}")
-        self._closed = False
-        self.feature_width = int(nat.target_feature_width(self.handle))
-        self._ones = np.ones(self.n_batch, dtype=np.int8)
-        self._zeros = np.zeros(self.n_batch, dtype=np.int8)
-        self._seq = np.zeros(self.n_batch, dtype=np.int32)
-        self._pos = np.arange(self.n_batch, dtype=np.int32)
-        self.n_decodes = 0
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        for d in list(getattr(self, "_drafts", ())):
-            d.close()
-        if getattr(self, "handle", None):
-            nat.target_free(self.handle)
-            self.handle = None
-        # borrowed: forget the pointers, free nothing
-        self.ctx = self.model = self.vocab = self.memory = None
-        self._closed = True
-
-    def decode_foreign_batch(self, batch) -> Optional[Tuple[np.ndarray, np.ndarray]]:
-        """Decode a ``llama_batch`` built by the owner (e.g. ``LlamaBatch.batch``) through the shim.
-
-        The rows (token, pos, seq id, output flag) go into one llama_decode on the same context, as
-        the owner's own ``llama_decode(ctx, batch)`` would, but their layer inputs are captured.
-        Returns (positions, seq_ids) of the decoded rows, or None *without decoding* when the batch
-        cannot take this path (embedding input, a row in several sequences, empty or > n_batch rows):
-        the caller then decodes it itself (no features for those rows).  Raises NativeError when
-        llama_decode fails.
-        """
-        self._alive()
-        n = int(batch.n_tokens)
-        if n <= 0 or n > self.n_batch or bool(batch.embd) or not batch.token:
-            return None
-        n_seq = np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))
-        if np.any(n_seq != 1):
-            return None
-        tokens = np.ctypeslib.as_array(batch.token, shape=(n,)).astype(np.int32)
-        pos = np.ctypeslib.as_array(batch.pos, shape=(n,)).astype(np.int32)
-        outputs = np.ctypeslib.as_array(batch.logits, shape=(n,)).astype(np.int8)
-        seq_ids = np.fromiter((batch.seq_id[i][0] for i in range(n)), dtype=np.int32, count=n)
-        rc = nat.target_decode(self.handle, nat.ptr_i32(tokens), nat.ptr_i32(pos), nat.ptr_i32(seq_ids),
-                               nat.ptr_i8(outputs), n)
-        self.n_decodes += 1
-        nat.check(rc, "target decode (llama-cpp-python batch)")
-        return pos, seq_ids
 
 
 class Draft(_ModelCtx):
@@ -585,7 +438,7 @@ class MarkovHead(Owned):
     _what = "Markov head"
 
     def __init__(self, draft_path: str, use_gpu: bool = False, n_threads: int = 0):
-        _check_gguf_file(draft_path)
+        check_gguf_file(draft_path)
         self.handle = nat.markov_new(os.fsencode(os.fspath(draft_path)), 1 if use_gpu else 0, n_threads)
         if not self.handle:
             raise NativeError(f"loading the Markov head: {nat.error_message()}")

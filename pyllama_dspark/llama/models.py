@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from pyllama_dspark.gguf.info import read_draft_info, read_target_info, validate_pair
+from pyllama_dspark.gguf.info import read_draft_info, validate_pair
+from pyllama_dspark.gguf.target_info import read_target_info
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
 
 

@@ -34,7 +34,7 @@ from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.serve.oai_request import GenRequest, RequestError, parse_request
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
 from pyllama_dspark.decode.timings import llama_timings
-from pyllama_dspark.spec.sampling import SamplingParams
+from pyllama_dspark.spec.sampling_params import SamplingParams
 
 log = logging.getLogger("pyllama_dspark.serve.server")
 

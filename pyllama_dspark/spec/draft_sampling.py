@@ -7,7 +7,7 @@ on the token actually drawn at k-1 instead:
 
     p_d,k  ∝  chain( U_k + B(x_{k-1}) )  =  chain( row_k - B(a_{k-1}) + B(x_{k-1}) )
 
-with ``chain`` the same sampler chain the target goes through (:mod:`.sampling`).  Where the drawn
+with ``chain`` the same sampler chain the target goes through (:mod:`.chain`).  Where the drawn
 token equals the argmax the row is already right; elsewhere one small device call on the shim's
 Markov graph returns ``B(a_{k-1})``, ``B(x_{k-1})`` and ``W1[x_{k-1}]`` (no host-side W2.W1
 product), and the confidence is recomputed with the drawn token:

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from pyllama_dspark.spec.sampling import Dist, sample_from
+from pyllama_dspark.spec.dist import Dist, sample_from
 
 
 def greedy_accept(drafted: np.ndarray, target_argmax: np.ndarray, eog: Optional[np.ndarray] = None) -> int:
@@ -46,7 +46,7 @@ def residual(p, q):
     """norm(max(p - q, 0)) unnormalized, the law a rejected position is resampled from (p itself
     when p == q up to rounding: a rejection then had probability ~0).
 
-    With a sparse p (a :class:`~.sampling.Dist`) it stays sparse: the residual lives on p's support
+    With a sparse p (a :class:`~.dist.Dist`) it stays sparse: the residual lives on p's support
     only, so no vocabulary-sized row is built.  A dense p gives a dense vector.  Both draw the same
     token for the same uniform: the support in ascending id order, zeros skipped."""
     if isinstance(p, Dist):
@@ -79,7 +79,7 @@ def speculative_accept(drafted: np.ndarray, draft_probs, target_probs, uniforms,
     """Speculative sampling (Leviathan et al. / Chen et al.): lossless at any temperature.
 
     ``drafted[i]`` was drawn from ``draft_probs[i]`` (a probability vector over the vocabulary, or
-    a sparse :class:`~.sampling.Dist`: with sparse target rows nothing vocabulary-sized is built);
+    a sparse :class:`~.dist.Dist`: with sparse target rows nothing vocabulary-sized is built);
     ``target_probs[i]`` is the target's distribution at the same position (i = 0 follows the
     anchor), with ``len(drafted) + 1`` rows (the last is the bonus row).  Both may be lazy
     sequences: row i is only read once the drafts before it are accepted.  ``uniforms`` yields
