@@ -49,7 +49,8 @@ from llama_cpp import llama_cpp as L  # noqa: E402
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from pyllama_dspark.tools.reference import DraftReference, vec_dot_type  # noqa: E402
+from pyllama_dspark.tools.reference.ggml_rounding import vec_dot_type  # noqa: E402
+from pyllama_dspark.tools.reference.model import DraftReference  # noqa: E402
 
 U16 = 2.0 ** -11
 # hidden-state tolerances in units of ||delta|| (see the module docstring)

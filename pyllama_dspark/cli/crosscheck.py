@@ -67,7 +67,7 @@ def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max
         prompt_toks = [(f"{it.source}#{it.index}", sp.chat_prompt([{"role": "user", "content": it.turns[0]}]).tokens)
                        for it in items]
         if ref_blocks > 0:
-            from pyllama_dspark.tools.reference import DraftReference
+            from pyllama_dspark.tools.reference.model import DraftReference
 
             try:
                 reference = DraftReference(draft, target, flash_attn=flash_attn != "off")

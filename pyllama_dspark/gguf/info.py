@@ -208,7 +208,7 @@ def _parse_draft_info(path: str, use_cache: bool) -> DraftInfo:
     rope_freq_base = scalar_field(r, f"{a}.rope.freq_base", 10000.0, kind=float)
     sections = field_value(r, f"{a}.rope.dimension_sections", None)
     sections = tuple(int(x) for x in (sections if isinstance(sections, list) else ([sections] if sections is not None else [])))
-    hc_mult = scalar_field(r, f"{a}.hyper_connection_count", 0)
+    hc_mult = scalar_field(r, f"{a}.hyper_connection.count", 0)   # llama-arch.cpp: %s.hyper_connection.count
 
     n_vocab = n_tokens(r)
     if n_vocab <= 0:

@@ -131,7 +131,7 @@ def check_draft_graph(sp, reference, sequence: Sequence[int], positions: Sequenc
     """llama.cpp's draft blocks at ``positions`` of ``sequence`` against the numpy reference.
 
     ``sp``: a Speculator with a draft (its contexts are used and left empty); ``reference``: a
-    :class:`~pyllama_dspark.tools.reference.DraftReference` of the same draft and target."""
+    :class:`~pyllama_dspark.tools.reference.model.DraftReference` of the same draft and target."""
     draft, target, prop = sp.draft, sp.target, sp.proposer
     meta = draft.meta
     seq = np.asarray(list(sequence), dtype=np.int32)
