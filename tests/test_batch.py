@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from greedy_ref import greedy, open_llama, TEST_THREADS
-from pyllama_dspark.decode.loop import Decoder, Started
+from pyllama_dspark.decode.cycle import Started
+from pyllama_dspark.decode.loop import Decoder
 from pyllama_dspark.llama.draft_meta import read_draft_meta
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
 from pyllama_dspark.spec.oracle import OracleProposer

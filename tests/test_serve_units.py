@@ -12,7 +12,7 @@ import pytest
 from pyllama_dspark.serve import openai_format as fmt
 from pyllama_dspark.decode.cycle import Done, Stats
 from pyllama_dspark.serve.oai_request import RequestError, parse_request
-from pyllama_dspark.decode.loop import Started
+from pyllama_dspark.decode.cycle import Started
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
 from pyllama_dspark.decode.timings import llama_timings, timing_log_lines
 from pyllama_dspark.tools.llama_server_log import parse_draft_acceptance

@@ -128,8 +128,11 @@ class Speculator(Owned):
 
 
 def make_schedule(target: Target, draft: Optional[Draft], schedule, cost_profile=None,
-                  gamma: int = 7) -> Optional[VerifyPolicy]:
-    """The policy of a front end's ``schedule`` argument (a mode name, a VerifyPolicy, or None)."""
+                  gamma: int = 7, on_measured=None) -> Optional[VerifyPolicy]:
+    """The policy of a front end's ``schedule`` argument (a mode name, a VerifyPolicy, or None).
+
+    ``on_measured``: called after the auto schedule measured the cost curve in ``target``'s
+    context (nothing cached yet), e.g. to drop what a context owner believes its KV holds."""
     if schedule is None or isinstance(schedule, VerifyPolicy):
         return schedule
     if not isinstance(schedule, str):
@@ -144,7 +147,11 @@ def make_schedule(target: Target, draft: Optional[Draft], schedule, cost_profile
 
     def cost():
         if cost_profile is None:
-            return costprofile.auto_profile(target)
+            fresh = on_measured is not None and costprofile.known_profile(target) is None
+            prof = costprofile.auto_profile(target)
+            if fresh:
+                on_measured()
+            return prof
         if isinstance(cost_profile, (str, os.PathLike)):
             return costprofile.load(cost_profile)
         return cost_profile

@@ -1,8 +1,9 @@
-"""The pieces of one speculative cycle besides the loop itself (:mod:`.loop`): the events a
-generation yields (:class:`Chunk` per cycle, one :class:`Done`), its :class:`Stats`, incremental
-detokenization with stop strings (:class:`TextStream` over a :class:`PieceCache`), and the verify
-rows the sampled accept rule reads lazily (:class:`OneHotRows` for a deterministic draft's q,
-:class:`TargetRows` for the target's p through the sampler chain)."""
+"""The pieces of one speculative cycle besides the loop itself (:mod:`.loop`): the prompt check,
+the events a generation yields (:class:`Started`, :class:`Chunk` per cycle, one :class:`Done`),
+its :class:`Stats`, incremental detokenization with stop strings (:class:`TextStream` over a
+:class:`PieceCache`), and the verify rows the sampled accept rule reads lazily
+(:class:`OneHotRows` for a deterministic draft's q, :class:`TargetRows` for the target's p through
+the sampler chain)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.llama.handles import Target
 from pyllama_dspark.spec.sampling import Dist, TokenSampler
 
@@ -118,11 +120,32 @@ class Chunk:
 
 
 @dataclass
+class Started:
+    """Streaming event: the request got sequence slot ``slot`` and its prompt was decoded."""
+    slot: int
+
+
+@dataclass
 class Done:
     tokens: List[int]
     text: str
     finish_reason: str  # "stop" (EOG or stop string) or "length"
     stats: Stats
+
+
+def check_prompt(prompt: Sequence[int], n_vocab: int, n_ctx: int) -> np.ndarray:
+    """Token ids as int32, or a clear exception (llama.cpp aborts on ids outside the vocabulary)."""
+    ids = list(prompt)
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in ids):
+        raise TypeError("prompt token ids must be integers")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if min(ids) < 0 or max(ids) >= n_vocab:
+        raise ValueError(f"prompt token ids must be in 0..{n_vocab - 1}")
+    toks = np.asarray(ids, dtype=np.int32)
+    if toks.size + 1 > n_ctx:
+        raise ContextOverflowError(f"prompt of {toks.size} tokens does not fit the context of {n_ctx} tokens")
+    return toks
 
 
 class PieceCache(dict):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence, Union
 
-from pyllama_dspark.decode.cycle import Chunk, Done, Stats  # noqa: F401  (public: the events' home before)
-from pyllama_dspark.decode.loop import Decoder, Started
+from pyllama_dspark.decode.cycle import Chunk, Done, Started, Stats  # noqa: F401  (Stats: public here before)
+from pyllama_dspark.decode.loop import Decoder
 from pyllama_dspark.llama.handles import Target
 from pyllama_dspark.spec.drafter import Proposer
 from pyllama_dspark.spec.sampling import SamplingParams

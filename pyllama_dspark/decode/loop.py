@@ -35,20 +35,14 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from pyllama_dspark.decode.cycle import Chunk, Done, OneHotRows, PieceCache, Stats, TargetRows, TextStream
-from pyllama_dspark.errors import ContextOverflowError
+from pyllama_dspark.decode.cycle import (Chunk, Done, OneHotRows, PieceCache, Started, Stats, TargetRows, TextStream,
+                                         check_prompt)
 from pyllama_dspark.llama.handles import Draft, Target
 from pyllama_dspark.spec.drafter import (BlockRequest, DraftModelProposer, NoDraft, Proposer, check_n_max,
                                          observe_later, propose_all)
 from pyllama_dspark.spec.policy import VerifyPolicy
 from pyllama_dspark.spec.sampling import SamplingParams, TokenSampler
 from pyllama_dspark.spec.verify import greedy_accept, speculative_accept
-
-
-@dataclass
-class Started:
-    """Streaming event: the request got sequence slot ``slot`` and its prompt was decoded."""
-    slot: int
 
 
 @dataclass
@@ -69,21 +63,6 @@ class _Seq:
     finish: Optional[str] = None
     stats: Stats = field(default_factory=Stats)
     t_start: float = 0.0
-
-
-def check_prompt(prompt: Sequence[int], n_vocab: int, n_ctx: int) -> np.ndarray:
-    """Token ids as int32, or a clear exception (llama.cpp aborts on ids outside the vocabulary)."""
-    ids = list(prompt)
-    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in ids):
-        raise TypeError("prompt token ids must be integers")
-    if not ids:
-        raise ValueError("the prompt is empty")
-    if min(ids) < 0 or max(ids) >= n_vocab:
-        raise ValueError(f"prompt token ids must be in 0..{n_vocab - 1}")
-    toks = np.asarray(ids, dtype=np.int32)
-    if toks.size + 1 > n_ctx:
-        raise ContextOverflowError(f"prompt of {toks.size} tokens does not fit the context of {n_ctx} tokens")
-    return toks
 
 
 class Decoder:

@@ -50,6 +50,7 @@ from pyllama_dspark.gguf.target_info import TargetInfo
 __all__ = [
     "DRAFT_ARCH",
     "DraftInfo",
+    "block_offset",
     "read_draft_info",
     "validate_pair",
 ]
@@ -129,7 +130,13 @@ class DraftInfo:
     @property
     def max_drafts(self) -> int:
         """Draft tokens one block yields (anchor-first DSpark: gamma, DFlash in place: gamma-1)."""
-        return self.block_size if (self.has_markov and self.sample_from_anchor) else self.block_size - 1
+        return self.block_size - block_offset(self.has_markov, self.sample_from_anchor)
+
+
+def block_offset(has_markov: bool, sample_from_anchor: bool) -> int:
+    """Block row of the first draft: 0 for anchor-first DSpark ([anchor, mask x (k-1)], row i
+    predicts position pos0+1+i), 1 for DFlash and bonus-anchor DSpark ([anchor, mask x k])."""
+    return 0 if (has_markov and sample_from_anchor) else 1
 
 
 def _bool_key(reader, key: str) -> Optional[bool]:

@@ -109,8 +109,8 @@ class DSpark(Owned):
         else:
             target, draft, proposer, found = BorrowedTarget(ctx.ctx, llama_settings(llm)), None, NoDraft(), []
         try:
-            policy = make_schedule(target, draft, schedule, cost_profile, gamma=int(n_max))
-            llm.reset()   # a first-use cost measurement decodes in the Llama's context
+            # a first-use cost measurement decodes in the Llama's context: its cached prefix is gone
+            policy = make_schedule(target, draft, schedule, cost_profile, gamma=int(n_max), on_measured=llm.reset)
         except BaseException:
             target.close()
             raise

@@ -148,14 +148,11 @@ class DSparkDraftModel(Owned, LlamaDraftModel):
             self.draft = Draft(draft_path, self.target, self.settings)
             self.proposer = DraftModelProposer(self.draft)
             self.n_max = clamp_n_max(n_max, self.proposer)
-            from pyllama_dspark.spec import costprofile
             from pyllama_dspark.decode.api import make_schedule
 
-            measures = (schedule == "auto" and cost_profile is None
-                        and costprofile.known_profile(self.target) is None)
-            self.policy = make_schedule(self.target, self.draft, schedule, cost_profile, gamma=self.n_max)
-            if measures:
-                llm.reset()   # the first-use cost measurement decoded in the Llama's context
+            # a first-use cost measurement decodes in the Llama's context: its cached prefix is gone
+            self.policy = make_schedule(self.target, self.draft, schedule, cost_profile, gamma=self.n_max,
+                                        on_measured=llm.reset)
         except BaseException:
             self.target.close()
             raise

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import List
 
+from pyllama_dspark.gguf.info import block_offset
 from pyllama_dspark.llama import _native as nat
 
 
@@ -29,9 +30,8 @@ class DraftMeta:
 
     @property
     def block_offset(self) -> int:
-        """Block row of the first draft: 0 for anchor-first DSpark ([anchor, mask x (k-1)], row i
-        predicts position pos0+1+i), 1 for DFlash and bonus-anchor DSpark ([anchor, mask x k])."""
-        return 0 if (self.has_markov and self.sample_from_anchor) else 1
+        """Block row of the first draft (see :func:`~pyllama_dspark.gguf.info.block_offset`)."""
+        return block_offset(self.has_markov, self.sample_from_anchor)
 
     @classmethod
     def from_native(cls, m: nat.DraftMeta) -> "DraftMeta":

@@ -16,7 +16,7 @@ import queue
 import threading
 from typing import Dict, Optional
 
-from pyllama_dspark.decode.loop import Started
+from pyllama_dspark.decode.cycle import Started
 from pyllama_dspark.decode.cycle import Done
 from pyllama_dspark.serve.slots import Cancelled, Job, JobQueue, _deliver
 from pyllama_dspark.decode.timings import timing_log_lines
