@@ -1,6 +1,8 @@
-"""Builds ``llama-server`` (CPU only, Release, static) from the llama.cpp sources of
+"""Builds ``llama-server`` (CPU only, Release) from the llama.cpp sources of
 :mod:`.llama_server_sdist` and caches the binary: one builder at a time (file lock), the binary
-moved into place only after a good build.  Only the standard library is used (``subprocess`` for
+moved into place only after a good build.  Its own sources linked to the libraries the installed
+llama-cpp-python compiled (:mod:`.llama_server_linked`, a couple of minutes) when they are there,
+else the whole tree, static (about ten).  Only the standard library is used (``subprocess`` for
 cmake)."""
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from pyllama_dspark.tools.llama_server_linked import configure_command, installed_lib_dir
 from pyllama_dspark.tools.llama_server_sdist import (LlamaServerBuildError, PathLike, extract_llama_cpp,
                                                      llama_cpp_python_version, llama_server_cache_dir, locate_sdist,
                                                      log_progress)
 
 ENV_CMAKE_ARGS = "PYLLAMA_DSPARK_CMAKE_ARGS"  # extra cmake -D... args (shell-split)
 ENV_BUILD_JOBS = "PYLLAMA_DSPARK_BUILD_JOBS"
+ENV_BUILD = "PYLLAMA_DSPARK_SERVER_BUILD"      # "static": always build the whole tree
 
 
 def cmake_configure_args(extra: Sequence[str] = ()) -> List[str]:
@@ -136,6 +140,53 @@ def _run_logged(cmd: Sequence[str], log, cwd: Optional[Path] = None, progress: b
             f"command failed (rc={rc}): {' '.join(cmd)}\n--- last lines ---\n{''.join(tail)}")
 
 
+def _build_linked(root: Path, src: Path, lib: Path, cmake: str, ninja: Optional[str], jobs: int) -> Path:
+    """Only llama-server's own sources, linked to the installed llama-cpp-python libraries."""
+    build = root / "build-linked"
+    if build.exists():
+        shutil.rmtree(build)
+    log_progress(f"building llama-server on llama-cpp-python's libraries in {lib} (-j{jobs}); "
+                 f"log: {root / 'build.log'}")
+    with open(root / "build.log", "w") as log:
+        _run_logged(configure_command(cmake, ninja, src, root / "linked-project", build, lib), log, progress=False)
+        _run_logged([cmake, "--build", str(build), "--target", "llama-server", "-j", str(jobs)], log)
+    built = build / "llama-server"
+    if not built.is_file():
+        raise LlamaServerBuildError(f"build finished but {built} does not exist; see {root / 'build.log'}")
+    return built
+
+
+def _build_static(root: Path, src: Path, cmake: str, ninja: Optional[str], jobs: int, cmake_args: Sequence[str],
+                  t0: float):
+    """The whole llama.cpp tree (ggml, llama, common, mtmd, server), static: (binary, args, t_configured)."""
+    build = root / "build"
+    cache = build / "CMakeCache.txt"
+    if cache.is_file():
+        text = cache.read_text(errors="replace")
+        m = re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", text, re.M)
+        gen = re.search(r"^CMAKE_GENERATOR:INTERNAL=(.*)$", text, re.M)
+        want_gen = "Ninja" if ninja else "Unix Makefiles"
+        if (m and Path(m.group(1)).resolve() != src.resolve()) or (gen and gen.group(1) != want_gen):
+            log_progress("stale cmake build tree; starting over")
+            shutil.rmtree(build)
+    args = cmake_configure_args(cmake_args)
+    configure = [cmake, "-S", str(src), "-B", str(build)]
+    if ninja:
+        configure += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+    configure += args
+    log_progress(f"building llama.cpp's llama-server in {build} (-j{jobs}); "
+                 f"this takes a while, log: {root / 'build.log'}")
+    with open(root / "build.log", "w") as log:
+        _run_logged(configure, log, progress=False)
+        t1 = time.monotonic()
+        _run_logged([cmake, "--build", str(build), "--target", "llama-server", "--config", "Release",
+                     "-j", str(jobs)], log)
+    built = build / "bin" / "llama-server"
+    if not built.is_file():
+        raise LlamaServerBuildError(f"build finished but {built} does not exist; see {root / 'build.log'}")
+    return built, args, t1
+
+
 def ensure_llama_server(cache_dir: Optional[PathLike] = None, *, version: Optional[str] = None,
                         sdist: Optional[PathLike] = None, jobs: Optional[int] = None,
                         cmake_args: Sequence[str] = (), rebuild: bool = False) -> Path:
@@ -144,7 +195,9 @@ def ensure_llama_server(cache_dir: Optional[PathLike] = None, *, version: Option
     The source is ``vendor/llama.cpp`` of the llama-cpp-python sdist of the installed version
     (or ``version``), taken from ``sdist`` / ``$PYLLAMA_DSPARK_SDIST`` / the cache, or downloaded
     from PyPI. Only the ``llama-server`` target is built (Release, CPU, ``-j jobs``; jobs
-    defaults to ``$PYLLAMA_DSPARK_BUILD_JOBS`` or 2). A file lock serialises concurrent callers
+    defaults to ``$PYLLAMA_DSPARK_BUILD_JOBS`` or 2): linked to the installed llama-cpp-python's
+    libraries when they are all there (``$PYLLAMA_DSPARK_SERVER_BUILD=static`` or ``cmake_args``
+    build the whole tree instead), the whole tree when that fails. A file lock serialises concurrent callers
     (e.g. two pytest processes); the binary is moved into ``bin/`` only after a successful build.
     Progress goes to stderr, the full compiler output to ``build.log``.
     """
@@ -166,32 +219,19 @@ def ensure_llama_server(cache_dir: Optional[PathLike] = None, *, version: Option
             log_progress(f"extracting vendor/llama.cpp from {sd}")
             extract_llama_cpp(sd, src)
             (src / ".extracted").write_text(str(sd) + "\n")
-        build = root / "build"
-        cache = build / "CMakeCache.txt"
-        if cache.is_file():
-            text = cache.read_text(errors="replace")
-            m = re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", text, re.M)
-            gen = re.search(r"^CMAKE_GENERATOR:INTERNAL=(.*)$", text, re.M)
-            want_gen = "Ninja" if ninja else "Unix Makefiles"
-            if (m and Path(m.group(1)).resolve() != src.resolve()) or (gen and gen.group(1) != want_gen):
-                log_progress("stale cmake build tree; starting over")
-                shutil.rmtree(build)
         jobs = int(jobs or os.environ.get(ENV_BUILD_JOBS) or 2)
-        args = cmake_configure_args(cmake_args)
-        configure = [cmake, "-S", str(src), "-B", str(build)]
-        if ninja:
-            configure += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
-        configure += args
-        log_progress(f"building llama-server for llama-cpp-python {version} in {build} (-j{jobs}); "
-             f"this takes a while, log: {root / 'build.log'}")
-        with open(root / "build.log", "w") as log:
-            _run_logged(configure, log, progress=False)
-            t1 = time.monotonic()
-            _run_logged([cmake, "--build", str(build), "--target", "llama-server", "--config", "Release",
-                         "-j", str(jobs)], log)
-        built = build / "bin" / "llama-server"
-        if not built.is_file():
-            raise LlamaServerBuildError(f"build finished but {built} does not exist; see {root / 'build.log'}")
+        built, how = None, None
+        lib = None if os.environ.get(ENV_BUILD) == "static" or cmake_args else installed_lib_dir()
+        if lib is not None:
+            try:
+                built, args, t1 = _build_linked(root, src, lib, cmake, ninja, jobs), [f"linked to {lib}"], t0
+                how = "linked"
+            except LlamaServerBuildError as e:
+                log_progress(f"building llama-server on the installed libraries failed ({str(e)[:200]}); "
+                             "building the whole llama.cpp tree instead")
+        if built is None:
+            built, args, t1 = _build_static(root, src, cmake, ninja, jobs, cmake_args, t0)
+            how = "static"
         t2 = time.monotonic()
         (root / "bin").mkdir(exist_ok=True)
         tmp = root / "bin" / f".llama-server.tmp-{os.getpid()}"
@@ -199,6 +239,7 @@ def ensure_llama_server(cache_dir: Optional[PathLike] = None, *, version: Option
         os.chmod(tmp, 0o755)
         info = {
             "llama_cpp_python_version": version,
+            "build": how,
             "cmake_args": args,
             "generator": "Ninja" if ninja else "Unix Makefiles",
             "jobs": jobs,
@@ -209,3 +250,5 @@ def ensure_llama_server(cache_dir: Optional[PathLike] = None, *, version: Option
         }
         (root / "bin" / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
         os.replace(tmp, binary)
+        log_progress(f"llama-server built ({how}) in {t2 - t0:.0f} s -> {binary}")
+        return binary
