@@ -90,3 +90,16 @@ def test_no_import_cycles():
 def test_no_module_is_huge():
     big = [(m, n) for m, p in _modules() if (n := len(p.read_text().splitlines())) > MAX_LINES]
     assert not big, big
+
+
+def test_only_the_loop_calls_the_accept_rules():
+    """One loop (README "Architecture"): the accept rules are called from decode.loop alone."""
+    callers = set()
+    for mod, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if name in ("greedy_accept", "speculative_accept") and mod != "pyllama_dspark.spec.verify":
+                    callers.add(mod)
+    assert callers == {"pyllama_dspark.decode.loop"}, callers

@@ -299,13 +299,20 @@ def propose_one(prop, r: BlockRequest) -> Proposal:
     return prop.propose(r.anchor, r.pos0, r.n_draft, r.seq_id)
 
 
+def _defined_in(cls: type, name: str) -> Optional[type]:
+    return next((c for c in cls.__mro__ if name in c.__dict__), None)
+
+
 def propose_all(prop, requests: Sequence[BlockRequest]) -> List[Proposal]:
-    """One proposal per request: the proposer's own ``propose_batch`` when its class has one (a
-    wrapper that forwards attributes to another proposer is asked per request, so that its own
-    ``propose``/``propose_sampled`` run)."""
-    batch = getattr(type(prop), "propose_batch", None)
-    if batch is not None:
-        return batch(prop, requests)
+    """One proposal per request: the proposer's ``propose_batch`` when its class has one that is no
+    older than its ``propose`` / ``propose_sampled`` (a subclass that overrides only ``propose``,
+    or a wrapper forwarding attributes to another proposer, is asked per request, so that its own
+    methods run)."""
+    cls = type(prop)
+    batch = _defined_in(cls, "propose_batch")
+    if batch is not None and all(issubclass(batch, o) for o in (_defined_in(cls, "propose"),
+                                                                  _defined_in(cls, "propose_sampled")) if o):
+        return batch.propose_batch(prop, requests)
     return [propose_one(prop, r) for r in requests]
 
 
