@@ -438,13 +438,6 @@ class Decoder:
             s.stats.ms_sample += ms_sample[r]
             s.stats.ms_inject += inject_share
         self.steps += 1
-        if all(s.finish is None for s in act):
-            if self.streaming:
-                for s in act:
-                    if s.pending:
-                        self._events.append((s.rid, Chunk(s.pending, s.text.flush())))
-                        s.pending = []
-            return
         still = []
         for s in act:
             if s.finish is None:
