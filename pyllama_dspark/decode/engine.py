@@ -18,6 +18,12 @@ from pyllama_dspark.spec.drafter import Proposer
 from pyllama_dspark.spec.sampling import SamplingParams
 
 
+def _largest_block(proposer: Optional[Proposer]) -> int:
+    """The loop's n_max for a one-sequence decoder: whatever the proposer can draft (a stream's
+    own n_max is clamped to it)."""
+    return max(1, proposer.max_draft()) if proposer is not None else 1
+
+
 class SpecDecoder:
     """Speculative decoding of one sequence (``seq_id``) on a Target with a pluggable Proposer."""
 
@@ -28,7 +34,7 @@ class SpecDecoder:
         greedy and sampled output stay lossless."""
         self.target = target
         self.seq_id = int(seq_id)
-        self.loop = Decoder(target, proposer, n_max=max(1, proposer.max_draft()) if proposer is not None else 1,
+        self.loop = Decoder(target, proposer, n_max=_largest_block(proposer),
                             policy=policy, streaming=True, tie_eps=tie_eps, slots=[self.seq_id], keep_memory=True)
         self._rid: Optional[int] = None   # the request of the stream in progress
 
@@ -39,7 +45,7 @@ class SpecDecoder:
     @proposer.setter
     def proposer(self, proposer: Proposer) -> None:
         self._detach()
-        self.loop.n_max = max(1, proposer.max_draft()) if proposer is not None else 1
+        self.loop.n_max = _largest_block(proposer)
         self.loop.proposer = proposer
 
     @property
