@@ -137,9 +137,10 @@ def chi2_law(samples: Sequence[Tuple[int, ...]], law: Law):
     return stat, dof, p, tv, outside
 
 
-def pit_values(llm, prompt: Sequence[int], generated: Sequence[int], params: SamplingParams,
-               rng: np.random.Generator, boundary_eps: float = 0.0) -> Tuple[List[float], int, int]:
-    """Randomized probability integral transform of a sampled continuation under the target's law.
+def pit_values(llm, prompt: Sequence[int], generated: Sequence[int], params: Sequence[SamplingParams],
+               rng: np.random.Generator, boundary_eps: float = 0.0) -> List[Tuple[List[float], int, int]]:
+    """Randomized probability integral transform of a sampled continuation under the target's law,
+    for each chain of ``params`` (the continuation is evaluated once for all of them).
 
     For each generated token t_i, with p_i the distribution llama.cpp's chain gives the ``Llama``
     logits after prompt + t_<i (support ordered by decreasing probability, ties by id):
@@ -150,31 +151,37 @@ def pit_values(llm, prompt: Sequence[int], generated: Sequence[int], params: Sam
     ``Llama`` evaluates the continuation one token at a time (a one-batch evaluation of the whole
     sequence moves this Q4 model's logits by up to ~0.9 on CPU).  A token outside p_i's support
     whose logit is within ``boundary_eps`` of the lowest kept logit is a numerical boundary case
-    (excused and counted, no u); any other is outside.  Returns ``(u values, outside, excused)``."""
+    (excused and counted, no u); any other is outside.  Returns, per chain,
+    ``(u values, outside, excused)``."""
     prompt = [int(t) for t in prompt]
     gen = [int(t) for t in generated]
     v = llm.n_vocab()
     llm.reset()
     llm.eval(prompt)
-    chain = LlamaChain(params, v, prompt)
-    out, outside, excused = [], 0, 0
+    chains = [LlamaChain(pr, v, prompt) for pr in params]
+    res = [([], 0, 0) for _ in params]
     for i, t in enumerate(gen):
         row = _row(llm)
-        p = chain.probs(row)
-        chain.accept(t)
+        for c, chain in enumerate(chains):
+            out, outside, excused = res[c]
+            p = chain.probs(row)
+            chain.accept(t)
+            if not p[t] > 0.0:
+                if row[np.flatnonzero(p)].min() - row[t] < boundary_eps:
+                    excused += 1
+                else:
+                    outside += 1
+                res[c] = (out, outside, excused)
+                continue
+            support = np.flatnonzero(p)
+            order = support[np.lexsort((support, -p[support]))]
+            rank = int(np.flatnonzero(order == t)[0])
+            out.append(float(p[order[:rank]].sum() + rng.random() * p[t]))
         if i + 1 < len(gen):
             llm.eval([t])
-        if not p[t] > 0.0:
-            if row[np.flatnonzero(p)].min() - row[t] < boundary_eps:
-                excused += 1
-            else:
-                outside += 1
-            continue
-        support = np.flatnonzero(p)
-        order = support[np.lexsort((support, -p[support]))]
-        rank = int(np.flatnonzero(order == t)[0])
-        out.append(float(p[order[:rank]].sum() + rng.random() * p[t]))
-    return out, outside, excused
+    for chain in chains:
+        chain.close()
+    return res
 
 
 def uniform_chi2(u: Sequence[float], bins: int = 10):

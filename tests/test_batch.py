@@ -158,11 +158,12 @@ def test_batched_sampling_follows_the_targets_law(target_path, refs):
         rng = np.random.default_rng(0)
         u, outside, excused, u_wrong = [], 0, 0, []
         for (p, s), dn in zip(jobs, done):
-            vals, out, exc = pit_values(llm, p, dn.tokens, s, rng, boundary_eps=0.5)
+            (vals, out, exc), (wrong, _, _) = pit_values(llm, p, dn.tokens, [s, replace(s, temperature=1.6)], rng,
+                                                         boundary_eps=0.5)
             u += vals
             outside += out
             excused += exc
-            u_wrong += pit_values(llm, p, dn.tokens, replace(s, temperature=1.6), rng, boundary_eps=0.5)[0]
+            u_wrong += wrong
     finally:
         llm.close()
     st, dof, pv, _ = uniform_chi2(u)

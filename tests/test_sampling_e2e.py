@@ -19,8 +19,8 @@ A negative control runs the same harness with a proposer that reports a q other 
 drew from; the test must reject it (that is what makes the harness able to fail).
 
 Samples: 714 per random-draft case (a block decode per sample) and 1000 per oracle case (no draft
-decode), 3 x 714 + 5 x 1000 = 7.1k in all (the negative control is rejected with 800), ~2 minutes on
-2 idle cores; ``PYLLAMA_DSPARK_E2E_SAMPLES`` scales them (the value is the oracle cases' count).
+decode), 2 x 714 + 3 x 1000 = 4.4k in all (the negative control is rejected with 800), ~1.5 minutes
+on 2 idle cores; ``PYLLAMA_DSPARK_E2E_SAMPLES`` scales them (the value is the oracle cases' count).
 The joint law of longer prefixes with whole blocks is test_sampling_blocks.py's.
 """
 
@@ -53,10 +53,10 @@ PROMPTS = [
     "def add(a, b):\n    return",
     "She opened the door and saw",
 ]
-# (proposer, params, prompt index): 8 cases
-CASES = [("dspark", "plain", 0), ("dspark", "penalties", 2), ("dspark", "plain", 3),
-         ("oracle", "plain", 0), ("oracle", "penalties", 1), ("oracle", "plain", 2), ("oracle", "plain", 3),
-         ("oracle", "plain", 1)]
+# (proposer, params, prompt index): 5 cases, each proposer with and without penalties
+CASES = [("dspark", "plain", 0), ("dspark", "penalties", 2),
+         ("oracle", "plain", 0), ("oracle", "penalties", 1), ("oracle", "plain", 3)]
+SCHEDULED = ("plain", 1)   # the confidence-scheduled case's (params, prompt index)
 
 
 def n_samples(kind: str) -> int:
@@ -148,7 +148,7 @@ def refs(target_path):
     llm = open_llama(target_path)
     out = {}
     try:
-        for _, pname, pi in CASES:
+        for _, pname, pi in CASES + [(None,) + SCHEDULED]:
             if (pname, pi) not in out:
                 prompt = llm.tokenize(PROMPTS[pi].encode(), add_bos=True, special=True)
                 out[(pname, pi)] = (prompt, Reference(llm, prompt, PARAMS[pname]))
@@ -240,7 +240,7 @@ def test_scheduled_sampling_first_two_tokens_match_plain_sampling(target_path, d
             self.seen.append((float(confs[0][0]), out[0]))
             return out
 
-    pname, pi = "plain", 1
+    pname, pi = SCHEDULED
     prompt, ref = refs[(pname, pi)]
     with Speculator(target_path, dspark_draft_path, n_threads=THREADS, n_max=1, n_ctx=512) as sp:
         probe = Counting(mode="static", conf_min=0.0, gamma=1)
