@@ -392,32 +392,70 @@ struct K {
     }
 
     // The k first candidates of the row in candidate order, unordered; -inf and NaN are never
-    // candidates.  One pass: a block below the running k-th value costs one compare.
-    static DSPARK_INLINE void top_k(const float * x, int64_t n, int32_t k, std::vector<cand> & buf) {
+    // candidates.  Returns the row's maximum (-inf when no logit is finite).  First the maxima of
+    // blocks of B floats (one pass); k blocks hold a value >= the k-th largest of those maxima, so it
+    // is a lower bound t of the k-th logit, and only the blocks whose maximum reaches t are read
+    // again (about k of them), collecting x >= t.
+    static DSPARK_INLINE float top_k(const float * x, int64_t n, int32_t k, std::vector<cand> & buf,
+                                     std::vector<float> & bmax) {
         buf.clear();
-        const size_t cap = std::max<size_t>((size_t) k * 4, 1024);
-        buf.reserve(cap + L);
-        float   thr = -INFINITY;  // strict: x > thr (a later id never wins a tie with the k-th)
-        int64_t i   = 0;
-        for (; i + L <= n; i += L) {
-            const V v = load(x + i);
-            if (!any(v > splat(thr))) continue;
-            for (int j = 0; j < L; ++j) {
-                if (v[j] > thr) buf.push_back({ v[j], (int32_t) (i + j) });
+        int64_t B = 64;  // a multiple of L; at least 4k blocks when the row is long enough
+        while (B > L && n / B < 4 * (int64_t) k) B /= 2;
+        const int64_t nb = n / B;
+        float         m  = -INFINITY;
+        float         t  = -INFINITY;
+        if (nb >= k) {
+            bmax.resize((size_t) (2 * nb));
+            for (int64_t b = 0; b < nb; ++b) {
+                const float * p  = x + b * B;
+                V             m0 = splat(-INFINITY), m1 = m0;
+                int64_t       j  = 0;
+                for (; j + 2 * L <= B; j += 2 * L) {
+                    const V u = load(p + j), w = load(p + j + L);
+                    m0 = u > m0 ? u : m0;
+                    m1 = w > m1 ? w : m1;
+                }
+                if (j < B) {
+                    const V u = load(p + j);
+                    m0 = u > m0 ? u : m0;
+                }
+                m0 = m1 > m0 ? m1 : m0;
+                float r = m0[0];
+                for (int l = 1; l < L; ++l) r = m0[l] > r ? m0[l] : r;
+                bmax[(size_t) b] = r;
+                m = r > m ? r : m;
             }
-            if (buf.size() >= cap) {
-                std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), before);
-                buf.resize((size_t) k);
-                thr = buf[(size_t) k - 1].x;  // the last of the k in candidate order: the smallest value
+            float * sel = bmax.data() + nb;  // the k-th largest block maximum, on a copy
+            std::memcpy(sel, bmax.data(), (size_t) nb * sizeof(float));
+            std::nth_element(sel, sel + (k - 1), sel + nb, [](float a, float c) { return a > c; });
+            t = sel[k - 1];
+        }
+        const int64_t start = nb >= k ? nb * B : 0;  // without the bound: the whole row below
+        for (int64_t i = start; i < n; ++i) m = x[i] > m ? x[i] : m;
+        if (!(m > -INFINITY)) return m;
+        // x >= t and finite (t may be -inf when fewer than k blocks hold a finite logit)
+        const V vt = splat(t), vinf = splat(-INFINITY);
+        if (nb >= k) {
+            for (int64_t b = 0; b < nb; ++b) {
+                const float bm = bmax[(size_t) b];
+                if (!(bm >= t && bm > -INFINITY)) continue;
+                for (int64_t i = b * B; i < (b + 1) * B; i += L) {
+                    const V v = load(x + i);
+                    if (!any((v >= vt) & (v > vinf))) continue;
+                    for (int j = 0; j < L; ++j) {
+                        if (v[j] >= t && v[j] > -INFINITY) buf.push_back({ v[j], (int32_t) (i + j) });
+                    }
+                }
             }
         }
-        for (; i < n; ++i) {
-            if (x[i] > thr) buf.push_back({ x[i], (int32_t) i });
+        for (int64_t i = start; i < n; ++i) {
+            if (x[i] >= t && x[i] > -INFINITY) buf.push_back({ x[i], (int32_t) i });
         }
         if (buf.size() > (size_t) k) {
             std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), before);
             buf.resize((size_t) k);
         }
+        return m;
     }
 
     // The tempered softmax over the kept set (x >= tmin, and the prefix up to cut c) in ascending id
@@ -609,7 +647,8 @@ struct K {
     X(double, vmass_ge, (const float * x, const float * e, int64_t n, float t), (x, e, n, t))                \
     X(void, vcollect, (const float * x, int64_t n, float lo, float hi, std::vector<int32_t> & out),          \
       (x, n, lo, hi, out))                                                                                    \
-    X(void, top_k_scan, (const float * x, int64_t n, int32_t k, std::vector<cand> & buf), (x, n, k, buf))    \
+    X(float, top_k_scan, (const float * x, int64_t n, int32_t k, std::vector<cand> & buf,                    \
+                          std::vector<float> & bmax), (x, n, k, buf, bmax))                                 \
     X(int32_t, emit_row,                                                                                      \
       (const float * x, int64_t n, const cut & c, float tmin, float m, float temp, int32_t * ids,            \
        double * probs, int32_t cap),                                                                          \
@@ -665,6 +704,7 @@ struct scratch {
     std::vector<int32_t> list;    // ids with x > lo of the last top_p_full, ascending
     bool                 list_valid = false;
     std::vector<int32_t> win;
+    std::vector<float>   bmax;    // top_k's block maxima
 };
 
 thread_local scratch g_s;
@@ -871,7 +911,9 @@ int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params &
         x = s.row.data();
     }
 
-    const float m = vmax(x, n);
+    // top_k: its scan finds the k candidates (unordered, in s.cands) and the max in one pass
+    const bool  top_k = P.temperature > 0.0f && P.top_k > 0 && P.top_k < n_vocab;
+    const float m     = top_k ? top_k_scan(x, n, P.top_k, s.cands, s.bmax) : vmax(x, n);
     if (!(m > -INFINITY)) return fail(DSPARK_E_INVALID, "no finite logit survives the sampler chain");
 
     if (P.temperature <= 0.0f) {  // greedy: the first maximum
@@ -889,7 +931,6 @@ int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params &
     }
 
     const float tmin = P.min_p > 0.0f ? m + logf(P.min_p) : -INFINITY;
-    const bool  top_k = P.top_k > 0 && P.top_k < n_vocab;
     const bool  top_p = P.top_p < 1.0f;
 
     int32_t r;
@@ -921,7 +962,6 @@ int32_t chain(const float * row_in, int32_t n_vocab, const dspark_chain_params &
         }
     } else {
         // top_k: the k candidates, sorted; top_p / min_p / softmax on them
-        top_k_scan(x, n, P.top_k, s.cands);
         std::sort(s.cands.begin(), s.cands.end(), before);
         size_t keep = s.cands.size();
         if (top_p && keep > 0) {
@@ -1077,7 +1117,7 @@ void argmax_row_f32(const float * x, int64_t n, int32_t * id, float * gap) { arg
 
 // the k largest (ties: lower index), for dspark_top_k_f32
 void top_k_f32(const float * x, int64_t n, int32_t k, int32_t * ids) {
-    top_k_scan(x, n, k, g_s.cands);
+    top_k_scan(x, n, k, g_s.cands, g_s.bmax);
     size_t r = 0;
     for (const cand & c : g_s.cands) ids[r++] = c.id;
     // fewer than k finite values: fill with the lowest-index non-candidates (-inf / NaN) like nth_element

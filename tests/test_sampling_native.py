@@ -282,6 +282,44 @@ def test_argmax_and_top_k_scans(v):
     assert np.array_equal(np.sort(out), np.sort(order[:40]))
 
 
+def _edge_rows(n, rng):
+    """Rows that stress a top-k scan's bound: ties, -inf and NaN runs, fewer finite logits than k."""
+    normal = rng.normal(0, 1, n).astype(np.float32)
+    ties = np.round(rng.normal(0, 1, n)).astype(np.float32)
+    half_inf = normal.copy()
+    half_inf[: n // 2] = -np.inf
+    nans = normal.copy()
+    nans[rng.random(n) < 0.3] = np.nan
+    few = np.full(n, -np.inf, dtype=np.float32)
+    few[rng.choice(n, min(n, 3), replace=False)] = [1.0, 2.0, 1.0][: min(n, 3)]
+    rising = np.arange(n, dtype=np.float32)   # the maximum in the last block
+    return {"normal": normal, "ties": ties, "equal": np.zeros(n, np.float32), "half_inf": half_inf,
+            "nans": nans, "few_finite": few, "rising": rising}
+
+
+@pytest.mark.parametrize("n", [1, 7, 63, 64, 65, 1000, 4097, 49152])
+def test_top_k_scan_edge_rows(n):
+    """The shim's top-k (the chain's top_k and its max) against a sort, in candidate order (logit
+    desc, id asc; -inf and NaN last, lowest ids first), for k from 1 to n."""
+    rng = np.random.default_rng(n)
+    ks = sorted({k for k in (1, 2, 40, n // 3, n - 1, n) if 1 <= k <= n})
+    for name, row in _edge_rows(n, rng).items():
+        cand = ~np.isnan(row) & (row > -np.inf)
+        order = np.lexsort((np.arange(n), -np.where(cand, row, 0).astype(np.float64), ~cand))
+        for k in ks:
+            out = np.empty(k, dtype=np.int32)
+            nat.check(nat.top_k_f32(nat.ptr_f32(row), n, k, nat.ptr_i32(out)), "top-k")
+            assert np.array_equal(np.sort(out), np.sort(order[:k])), (name, k)
+            if k < n and cand.any():
+                d = chain_dist(row, SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0))
+                keep = np.sort(order[:min(k, int(cand.sum()))])
+                z = row.astype(np.float64) - row[keep].max()
+                # weights under exp(-87) are float zeros (dropped, as llama.cpp's expf drops them)
+                assert set(keep[z[keep] > -80].tolist()) <= set(d.ids.tolist()) <= set(keep.tolist()), (name, k)
+                e = np.exp(z[d.ids])
+                np.testing.assert_allclose(d.probs, e / e.sum(), rtol=1e-5, atol=1e-30)
+
+
 def test_markov_bias_and_w1_at_262k(tmp_path):
     """The Markov graph and its transfer with a 262,144-token vocabulary (W1 and W2 only)."""
     import gguf
