@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -40,12 +41,12 @@ struct cut {
 };
 
 // ---- vector kernels ----------------------------------------------------------------------------------
-// Written once over a GCC/Clang vector type V (8 lanes under AVX2+FMA, picked at run time on x86-64,
-// else 4 lanes: SSE2 / NEON), always inlined into the per-ISA entry points below.
+// Written once over a GCC/Clang vector type V (16 lanes under AVX-512, 8 under AVX2+FMA, picked at
+// run time on x86-64; else 4 lanes: SSE2 / NEON), always inlined into the per-ISA entry points below.
 
 #define DSPARK_INLINE inline __attribute__((always_inline))
 #if defined(__GNUC__)
-#    pragma GCC diagnostic ignored "-Wpsabi"  // 32-byte vectors only inside the AVX2 functions
+#    pragma GCC diagnostic ignored "-Wpsabi"  // 32/64-byte vectors only inside the AVX2/AVX-512 functions
 #endif
 
 typedef float   f4 __attribute__((vector_size(16)));
@@ -54,6 +55,9 @@ typedef double  d2 __attribute__((vector_size(16)));
 typedef double  d4 __attribute__((vector_size(32)));
 typedef uint64_t u8x2 __attribute__((vector_size(16)));
 typedef uint64_t u8x4 __attribute__((vector_size(32)));
+typedef float   f16 __attribute__((vector_size(64)));
+typedef double  d8 __attribute__((vector_size(64)));
+typedef uint64_t u8x8 __attribute__((vector_size(64)));
 
 // exp(x) for x <= 0 (x = logit - max): relative error ~1.1e-7 in float (2e-9 in the polynomial's
 // coefficients); 0 below -87.3 (and for -inf / NaN).  Cody-Waite reduction x = n ln2 + r,
@@ -83,20 +87,27 @@ struct K {
     }
     static DSPARK_INLINE void store(float * p, V v) { std::memcpy(p, &v, sizeof(v)); }
     static DSPARK_INLINE V splat(float x) { return V{} + x; }
-    using VU = typename std::conditional<sizeof(V) == 32, u8x4, u8x2>::type;
+    template <class A, class B, class C>
+    using by_width = typename std::conditional<sizeof(V) == 64, A,
+                                               typename std::conditional<sizeof(V) == 32, B, C>::type>::type;
+    using VU = by_width<u8x8, u8x4, u8x2>;
     // doubles at the native width (half the lanes of V: a wider generic vector would be split
     // through memory by the compiler)
-    using VD = typename std::conditional<sizeof(V) == 32, d4, d2>::type;
+    using VD = by_width<d8, d4, d2>;
     static constexpr int LD = L / 2;
     static DSPARK_INLINE VD lo_d(V v) {
-        if constexpr (L == 8) {
+        if constexpr (L == 16) {
+            return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), VD);
+        } else if constexpr (L == 8) {
             return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), VD);
         } else {
             return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1), VD);
         }
     }
     static DSPARK_INLINE VD hi_d(V v) {
-        if constexpr (L == 8) {
+        if constexpr (L == 16) {
+            return __builtin_convertvector(__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15), VD);
+        } else if constexpr (L == 8) {
             return __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), VD);
         } else {
             return __builtin_convertvector(__builtin_shufflevector(v, v, 2, 3), VD);
@@ -638,24 +649,24 @@ struct K {
 // ---- per-ISA entry points ---------------------------------------------------------------------------
 
 #define DSPARK_KERNELS(X)                                                                                      \
-    X(float, vmax, (const float * x, int64_t n), (x, n))                                                     \
-    X(int64_t, vtop2, (const float * x, int64_t n, float * first, float * second), (x, n, first, second))      \
-    X(double, vexp_mass8, (const float * x, int64_t n, float m, float * e, const float * t, double * mass,    \
+    X(0, float, vmax, (const float * x, int64_t n), (x, n))                                                     \
+    X(0, int64_t, vtop2, (const float * x, int64_t n, float * first, float * second), (x, n, first, second))      \
+    X(1, double, vexp_mass8, (const float * x, int64_t n, float m, float * e, const float * t, double * mass,    \
                            int64_t * count), (x, n, m, e, t, mass, count))                                     \
-    X(void, vmass8, (const float * x, const float * e, int64_t n, const float * t, double * mass,            \
+    X(1, void, vmass8, (const float * x, const float * e, int64_t n, const float * t, double * mass,            \
                      int64_t * count), (x, e, n, t, mass, count))                                              \
-    X(double, vmass_ge, (const float * x, const float * e, int64_t n, float t), (x, e, n, t))                \
-    X(void, vcollect, (const float * x, int64_t n, float lo, float hi, std::vector<int32_t> & out),          \
+    X(1, double, vmass_ge, (const float * x, const float * e, int64_t n, float t), (x, e, n, t))                \
+    X(0, void, vcollect, (const float * x, int64_t n, float lo, float hi, std::vector<int32_t> & out),          \
       (x, n, lo, hi, out))                                                                                    \
-    X(float, top_k_scan, (const float * x, int64_t n, int32_t k, std::vector<cand> & buf,                    \
+    X(0, float, top_k_scan, (const float * x, int64_t n, int32_t k, std::vector<cand> & buf,                    \
                           std::vector<float> & bmax), (x, n, k, buf, bmax))                                 \
-    X(int32_t, emit_row,                                                                                      \
+    X(0, int32_t, emit_row,                                                                                      \
       (const float * x, int64_t n, const cut & c, float tmin, float m, float temp, int32_t * ids,            \
        double * probs, int32_t cap),                                                                          \
       (x, n, c, tmin, m, temp, ids, probs, cap))                                                            \
-    X(int64_t, sample_f64, (const double * p, int64_t n, double u), (p, n, u))                                \
-    X(int64_t, sample_f32, (const float * p, int64_t n, double u), (p, n, u))                                 \
-    X(int32_t, emit_dense_row,                                                                                \
+    X(1, int64_t, sample_f64, (const double * p, int64_t n, double u), (p, n, u))                                \
+    X(1, int64_t, sample_f32, (const float * p, int64_t n, double u), (p, n, u))                                 \
+    X(0, int32_t, emit_dense_row,                                                                                \
       (const float * x, int64_t n, const cut & c, float tmin, float m, float temp, float * probs),          \
       (x, n, c, tmin, m, temp, probs))
 
@@ -674,19 +685,30 @@ struct K {
 #define DSPARK_CAT(a, b) DSPARK_CAT_(a, b)
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#    define DSPARK_DEF(ret, name, params, args)                                                            \
+#    define DSPARK_DEF(W, ret, name, params, args)                                                         \
+        __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma"))) ret name##_avx512 params {  \
+            return K<f16>::DSPARK_CAT(DSPARK_KMAP_, name) args;                                             \
+        }                                                                                                    \
         __attribute__((target("avx2,fma"))) ret name##_avx2 params {                                        \
             return K<f8>::DSPARK_CAT(DSPARK_KMAP_, name) args;                                              \
         }                                                                                                    \
         ret name##_base params { return K<f4>::DSPARK_CAT(DSPARK_KMAP_, name) args; }                      \
-        ret name params { return g_avx2 ? name##_avx2 args : name##_base args; }
+        ret name params { return (W && g_avx512) ? name##_avx512 args : g_avx2 ? name##_avx2 args : name##_base args; }
 bool cpu_has_avx2_fma() {
     __builtin_cpu_init();  // this runs from a static initializer, maybe before libgcc's own
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
-const bool g_avx2 = cpu_has_avx2_fma();
+// DSPARK_NO_AVX512 set (non-empty) keeps the AVX2 kernels, e.g. to compare the two
+bool cpu_has_avx512() {
+    const char * off = std::getenv("DSPARK_NO_AVX512");
+    if (off && *off) return false;
+    return cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+const bool g_avx2   = cpu_has_avx2_fma();
+const bool g_avx512 = cpu_has_avx512();
 #else
-#    define DSPARK_DEF(ret, name, params, args) \
+#    define DSPARK_DEF(W, ret, name, params, args) \
         ret name params { return K<f4>::DSPARK_CAT(DSPARK_KMAP_, name) args; }
 #endif
 DSPARK_KERNELS(DSPARK_DEF)

@@ -373,3 +373,18 @@ def test_absurd_inject_is_refused_before_allocating(target_path, dspark_draft_pa
             d.inject_captured(0, 2**31 - 1, 0)
         d.inject_captured(0, 3, 0)
         d.close()
+
+
+def test_the_avx2_kernels_too():
+    """On a CPU with AVX-512 the shim runs its 16-lane kernels; the 8-lane AVX2 ones (what a CPU
+    without AVX-512 runs) are checked here too, in a process started with DSPARK_NO_AVX512=1."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DSPARK_NO_AVX512="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "chain_matches or edge_rows or ties or inverse_cdf or top_k_scans or sparse_rows"],
+                       cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
