@@ -19,6 +19,8 @@ top-p 0.9 with top-k 0 (and min-p 0, T 0.8), what OpenAI clients commonly send.
 loop uses a row; "llama.cpp" is ``llama_sampler_apply`` of the same chain + dist on a candidate
 array filled beforehand (the fill, which llama.cpp does in C++ before sampling, is not timed: it
 would cost ours nothing either).  ms per row, median over the repeats; machine noise applies.
+The shim runs its AVX-512 kernels where the CPU has them; ``DSPARK_NO_AVX512=1`` in the
+environment measures the AVX2 ones.
 """
 
 from __future__ import annotations
