@@ -418,23 +418,9 @@ struct K {
         if (nb >= k) {
             bmax.resize((size_t) (2 * nb));
             for (int64_t b = 0; b < nb; ++b) {
-                const float * p  = x + b * B;
-                V             m0 = splat(-INFINITY), m1 = m0;
-                int64_t       j  = 0;
-                for (; j + 2 * L <= B; j += 2 * L) {
-                    const V u = load(p + j), w = load(p + j + L);
-                    m0 = u > m0 ? u : m0;
-                    m1 = w > m1 ? w : m1;
-                }
-                if (j < B) {
-                    const V u = load(p + j);
-                    m0 = u > m0 ? u : m0;
-                }
-                m0 = m1 > m0 ? m1 : m0;
-                float r = m0[0];
-                for (int l = 1; l < L; ++l) r = m0[l] > r ? m0[l] : r;
+                const float r    = vmax(x + b * B, B);
                 bmax[(size_t) b] = r;
-                m = r > m ? r : m;
+                m                = r > m ? r : m;
             }
             float * sel = bmax.data() + nb;  // the k-th largest block maximum, on a copy
             std::memcpy(sel, bmax.data(), (size_t) nb * sizeof(float));
