@@ -187,10 +187,10 @@ def test_chain_bad_input_is_an_exception():
     assert nat.sample_cdf(nat.ptr_f64(np.zeros(4)), 4, 0.5) < 0
 
 
-@pytest.mark.parametrize("n", [3, 700, 262144])
+@pytest.mark.parametrize("n", [3, 64, 65, 700, 262144])
 def test_draws_are_the_inverse_cdf(n):
-    """Dist.sample (numpy below 512 ids, the shim above) against numpy's searchsorted over the
-    cumulative sum, on fixed uniforms."""
+    """Dist.sample (Python sums up to 64 ids, numpy below 512, the shim above) against numpy's
+    searchsorted over the cumulative sum, on fixed uniforms."""
     rng = np.random.default_rng(n)
     probs = rng.dirichlet(np.full(n, 0.3))
     ids = np.sort(rng.choice(10 * n, n, replace=False))
@@ -201,7 +201,7 @@ def test_draws_are_the_inverse_cdf(n):
         assert d.sample(u) == ids[j]
 
 
-@pytest.mark.parametrize("n", [300, 5000])
+@pytest.mark.parametrize("n", [40, 300, 5000])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_zero_weights_are_never_drawn(n, dtype):
     """A whole-vocabulary row keeps zeros (banned / cut ids): no u draws one, not even where the

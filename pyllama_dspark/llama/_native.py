@@ -140,13 +140,14 @@ argmax_f32 = _proto_opt("dspark_argmax_f32", c_int32, _p_f32, c_int32, c_int32, 
 # int32_t dspark_chain_dist(const float * logits, int32_t n_vocab, const dspark_chain_params * params,
 #                           const int32_t * window, int32_t n_window, const int32_t * banned, int32_t n_banned,
 #                           int32_t * out_ids, double * out_probs, int32_t cap);
-chain_dist = _proto_opt("dspark_chain_dist", c_int32, _p_f32, c_int32, _p_chain, _p_i32, c_int32, _p_i32, c_int32,
-                    _p_i32, _p_f64, c_int32)
+# (the arrays as c_void_p: the per-row caller passes cached addresses; ctypes pointers work too)
+chain_dist = _proto_opt("dspark_chain_dist", c_int32, c_void_p, c_int32, _p_chain, c_void_p, c_int32, c_void_p,
+                        c_int32, c_void_p, c_void_p, c_int32)
 # int32_t dspark_chain_dense(const float * logits, int32_t n_vocab, const dspark_chain_params * params,
 #                            const int32_t * window, int32_t n_window, const int32_t * banned, int32_t n_banned,
 #                            float * out_probs);
-chain_dense = _proto_opt("dspark_chain_dense", c_int32, _p_f32, c_int32, _p_chain, _p_i32, c_int32, _p_i32, c_int32,
-                         _p_f32)
+chain_dense = _proto_opt("dspark_chain_dense", c_int32, c_void_p, c_int32, _p_chain, c_void_p, c_int32, c_void_p,
+                         c_int32, c_void_p)
 # int32_t dspark_sample_cdf(const double * probs, int32_t n, double u);
 sample_cdf = _proto_opt("dspark_sample_cdf", c_int32, _p_f64, c_int32, c_double)
 # int32_t dspark_sample_cdf_f32(const float * probs, int32_t n, double u);

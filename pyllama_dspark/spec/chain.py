@@ -131,7 +131,8 @@ class _Scratch(threading.local):
             # an array no view refers to has two references: the pair's tuple and getrefcount's argument
             if pair[0].size >= n and sys.getrefcount(pair[0]) <= 2 and sys.getrefcount(pair[1]) <= 2:
                 return pair
-        pair = (np.empty(n, dtype=np.int32), np.empty(n, dtype=np.float64))
+        ids, probs = np.empty(n, dtype=np.int32), np.empty(n, dtype=np.float64)
+        pair = (ids, probs, ids.ctypes.data, probs.ctypes.data)   # the addresses kept: no ctypes call per row
         if len(self.pool) < 64:
             self.pool.append(pair)
         return pair
@@ -166,16 +167,16 @@ def chain_dist_native(nat, x: np.ndarray, params: SamplingParams, window, banned
     b = _ids_i32(banned, n, "banned")
     if cparams is None:
         cparams = chain_params_native(nat, params)
-    wp, wn = (nat.ptr_i32(w), w.size) if w is not None else (None, 0)
-    bp, bn = (nat.ptr_i32(b), b.size) if b is not None else (None, 0)
+    wp, wn = (w.ctypes.data, w.size) if w is not None else (None, 0)
+    bp, bn = (b.ctypes.data, b.size) if b is not None else (None, 0)
     if n > 4096 and _keeps_everything(params, n):
         probs = _scratch.take_dense(n)
-        r = nat.chain_dense(nat.ptr_f32(x), n, cparams, wp, wn, bp, bn, nat.ptr_f32(probs))
+        r = nat.chain_dense(x.ctypes.data, n, cparams, wp, wn, bp, bn, probs.ctypes.data)
         if r <= 0:
             raise ValueError(f"sampler chain: {nat.error_message()}")
         return Dist(_all_ids(n), probs, n)
-    ids, probs = _scratch.take(n)
-    r = nat.chain_dist(nat.ptr_f32(x), n, cparams, wp, wn, bp, bn, nat.ptr_i32(ids), nat.ptr_f64(probs), ids.size)
+    ids, probs, ids_p, probs_p = _scratch.take(n)
+    r = nat.chain_dist(x.ctypes.data, n, cparams, wp, wn, bp, bn, ids_p, probs_p, ids.size)
     if r <= 0:
         raise ValueError(f"sampler chain: {nat.error_message()}")
     if r > n // 16:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from itertools import accumulate
+
 import numpy as np
 
 from pyllama_dspark.spec.shim import native_chain
@@ -53,8 +56,8 @@ class Dist:
 
     def sample(self, u: float) -> int:
         """Inverse-CDF draw in ascending id order: the first id whose running probability exceeds
-        u * total (the shim's blockwise sums above 512 ids, numpy's cumsum below; zero entries are
-        never drawn)."""
+        u * total (the shim's blockwise sums above 512 ids, numpy's cumsum below, Python's up to 64
+        ids; zero entries are never drawn)."""
         n = self.ids.size
         if n == 1:
             return int(self.ids[0])
@@ -68,8 +71,12 @@ class Dist:
             if j < 0:
                 raise ValueError(f"cannot sample: {nat.error_message()}")
             return int(self.ids[j])
-        c = np.cumsum(pr, dtype=np.float64)
-        j = int(np.searchsorted(c, u * c[-1], side="right"))
+        if n <= 64:   # the same running sums in Python floats (left to right, double): no numpy calls
+            c = list(accumulate(pr.tolist()))
+            j = bisect_right(c, u * c[-1])
+        else:
+            c = np.cumsum(pr, dtype=np.float64)
+            j = int(np.searchsorted(c, u * c[-1], side="right"))
         if j >= n:   # rounding: the last id with a positive probability
             j = int(np.flatnonzero(pr)[-1])
         return int(self.ids[j])
