@@ -117,7 +117,7 @@ def chi2_cells(counts: Sequence[int], probs: Sequence[float], outside: int = 0):
     stat = float(((obs[m] - exp[m]) ** 2 / exp[m]).sum())
     if outside and not m[-1]:
         stat = float("inf")      # outcomes the law gives probability 0
-    dof = int(m.sum()) - 1
+    dof = max(1, int(m.sum()) - 1)
     return stat, dof, chi2_sf(stat, dof) if np.isfinite(stat) else 0.0, float(tv)
 
 

@@ -20,7 +20,7 @@ from llama_cpp import llama_cpp as ll
 
 from llama_sampler_ref import LlamaChain
 from pyllama_dspark.spec.sampling_params import SamplingParams
-from test_sampling_rule import chi2_sf
+from block_law import chi2_law
 
 Law = Dict[Tuple[int, ...], float]
 
@@ -57,29 +57,10 @@ def two_token_law(llm, prompt: Sequence[int], params: SamplingParams) -> Law:
 
 
 def chi2_vs_law(samples: List[Tuple[int, ...]], law: Law) -> Tuple[float, int, float, int]:
-    """(statistic, degrees of freedom, p-value, samples outside the law's support); cells with an
-    expected count below 5 are pooled (with anything outside the support)."""
-    n = len(samples)
-    keys = list(law)
-    index = {k: i for i, k in enumerate(keys)}
-    probs = np.array([law[k] for k in keys])
-    counts = np.zeros(len(keys))
-    outside = 0
-    for s in samples:
-        i = index.get(tuple(s))
-        if i is None:
-            outside += 1
-        else:
-            counts[i] += 1
-    big = probs * n >= 5
-    obs = np.append(counts[big], counts[~big].sum() + outside)
-    exp = np.append(probs[big] * n, probs[~big].sum() * n)
-    m = exp > 0
-    stat = float(((obs[m] - exp[m]) ** 2 / exp[m]).sum())
-    dof = max(1, int(m.sum()) - 1)
-    if outside and not (~big).any():
-        stat = float("inf")     # an outcome the target can never produce
-    return stat, dof, chi2_sf(stat, dof) if np.isfinite(stat) else 0.0, outside
+    """(statistic, degrees of freedom, p-value, samples outside the law's support): block_law's
+    chi-square (cells expected below 5 pooled with anything outside the support)."""
+    stat, dof, p, _tv, outside = chi2_law(samples, law)
+    return stat, dof, p, outside
 
 
 def law_check(samples, law: Law, wrong_law: Law, what: str) -> str:
