@@ -1086,26 +1086,27 @@ extern "C" int32_t dspark_chain_dense(const float * logits, int32_t n_vocab, con
     });
 }
 
-extern "C" int32_t dspark_sample_cdf_f32(const float * probs, int32_t n, double u) {
-    return dspark::guard(__func__, [&]() -> int32_t {
+namespace {
+// one inverse-CDF draw through the per-ISA kernel `draw` (sample_f32 / sample_f64), validated
+template <class T, int64_t (*draw)(const T *, int64_t, double)>
+int32_t sample_cdf(const char * fn, const T * probs, int32_t n, double u) {
+    return dspark::guard(fn, [&]() -> int32_t {
         if (!probs || n <= 0) return fail(DSPARK_E_INVALID, "bad argument (n %d)", n);
         if (!(u >= 0.0 && u < 1.0)) return fail(DSPARK_E_INVALID, "u %g outside [0, 1)", u);
-        const int32_t j = (int32_t) sample_f32(probs, n, u);
+        const int32_t j = (int32_t) draw(probs, n, u);
         if (j < 0) return fail(DSPARK_E_INVALID, "weights must be finite, >= 0, with a positive sum");
         ok();
         return j;
     });
 }
+}  // namespace
+
+extern "C" int32_t dspark_sample_cdf_f32(const float * probs, int32_t n, double u) {
+    return sample_cdf<float, sample_f32>(__func__, probs, n, u);
+}
 
 extern "C" int32_t dspark_sample_cdf(const double * probs, int32_t n, double u) {
-    return dspark::guard(__func__, [&]() -> int32_t {
-        if (!probs || n <= 0) return fail(DSPARK_E_INVALID, "bad argument (n %d)", n);
-        if (!(u >= 0.0 && u < 1.0)) return fail(DSPARK_E_INVALID, "u %g outside [0, 1)", u);
-        const int32_t j = (int32_t) sample_f64(probs, n, u);
-        if (j < 0) return fail(DSPARK_E_INVALID, "weights must be finite, >= 0, with a positive sum");
-        ok();
-        return j;
-    });
+    return sample_cdf<double, sample_f64>(__func__, probs, n, u);
 }
 
 extern "C" int32_t dspark_argmax_f32(const float * x, int32_t n_rows, int32_t n, int32_t * ids, float * margin) {
