@@ -21,6 +21,7 @@ from pyllama_dspark.spec.sampling import Dist, TokenSampler
 @dataclass
 class Stats:
     n_prompt: int = 0
+    n_cached: int = 0                    # prompt tokens the memories already held (prompt cache)
     n_generated: int = 0
     cycles: int = 0
     drafted: int = 0
@@ -114,9 +115,11 @@ class Stats:
 
 @dataclass
 class Chunk:
-    """Tokens emitted by one cycle and the text they completed (held back near stop strings)."""
+    """Tokens emitted by one cycle and the text they completed (held back near stop strings);
+    ``probs``: one :class:`~..spec.logprobs.TokenProb` per token when the request asked for them."""
     tokens: List[int]
     text: str
+    probs: Optional[list] = None
 
 
 @dataclass
@@ -131,6 +134,8 @@ class Done:
     text: str
     finish_reason: str  # "stop" (EOG or stop string) or "length"
     stats: Stats
+    stop_word: Optional[str] = None   # the stop string that ended it (None: EOG, length or cancel)
+    probs: Optional[list] = None      # TokenProb per token of ``tokens``, when asked for
 
 
 def check_prompt(prompt: Sequence[int], n_vocab: int, n_ctx: int) -> np.ndarray:
@@ -171,14 +176,16 @@ class TextStream:
         self.text = ""
         self.sent = 0
         self.stopped = False
+        self.stop_word: Optional[str] = None
 
     def push(self, token: int) -> None:
         self.text += self.dec.decode(self.pieces[token])
         if self.stop:
             start = max(0, self.sent - self.hold - 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                i, self.stop_word = min(hits)
+                self.text = self.text[:i]
                 self.stopped = True
 
     def flush(self, final: bool = False) -> str:

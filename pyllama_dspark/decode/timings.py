@@ -2,6 +2,7 @@
 
 llama-server (tools/server/server-common.cpp ``server_slot_stats::to_json``) reports::
 
+    cache_n                              (prompt tokens reused from the slot's cache)
     prompt_n, prompt_ms, prompt_per_token_ms, prompt_per_second,
     predicted_n, predicted_ms, predicted_per_token_ms, predicted_per_second,
     draft_n, draft_n_accepted            (llama-server: only when something was drafted)
@@ -31,9 +32,11 @@ def _per_token(n: int, ms: float) -> float:
 
 def llama_timings(stats: Any) -> Dict[str, Any]:
     """The ``timings`` dict of one request from an engine ``Stats`` (prefill / generation split)."""
-    pn, pms = int(stats.n_prompt), float(stats.ms_prefill)
+    cn = int(getattr(stats, "n_cached", 0))
+    pn, pms = int(stats.n_prompt) - cn, float(stats.ms_prefill)
     gn, gms = int(stats.n_generated), float(stats.ms_total)
     return {
+        "cache_n": cn,
         "prompt_n": pn,
         "prompt_ms": pms,
         "prompt_per_token_ms": _per_token(pn, pms),
