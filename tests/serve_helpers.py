@@ -31,7 +31,7 @@ class ServeProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pyllama_dspark.cli.main", "serve", "-m", target, "--host", "127.0.0.1",
-               "--port", str(self.port), "-np", str(n_slots), "-t", "1", "-c", str(n_ctx), "--temp", "0"]
+               "--port", str(self.port), "-np", str(n_slots), "-t", "1", "-c", str(n_ctx * n_slots), "--temp", "0"]
         if draft is not None:
             cmd += ["-md", draft]
         cmd += list(extra)

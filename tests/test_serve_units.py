@@ -195,7 +195,7 @@ class _FakeBatchDecoder:
     n_ctx_seq = 64
     instances = []
 
-    def __init__(self, target, proposer, *, n_max, policy=None, streaming=False):
+    def __init__(self, target, proposer, *, n_max, policy=None, streaming=False, keep_memory=False, slot_similarity=0.1):
         assert streaming, "the pool consumes events"
         self.queue, self.active, self.events = [], [], []
         self.free = list(range(self.n_slots))[::-1]
@@ -206,7 +206,7 @@ class _FakeBatchDecoder:
         self.entered, self.tickets = threading.Semaphore(0), threading.Semaphore(0)
         _FakeBatchDecoder.instances.append(self)
 
-    def submit(self, prompt, max_tokens, stop=(), *, sampling=None, ignore_eos=False):
+    def submit(self, prompt, max_tokens, stop=(), *, sampling=None, ignore_eos=False, **request):
         if list(prompt) == [666]:
             raise ValueError("bad prompt")
         rid, self.next_rid = self.next_rid, self.next_rid + 1

@@ -26,7 +26,9 @@ def resolve_draft(target: str, draft, spec_type: str):
 
 
 def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int, threads, flash_attn: str,
-               n_gpu_layers: int, n_max: int, verbose: bool = False):
+               n_gpu_layers: int, n_max: int, verbose: bool = False, slot_similarity: float = 0.1):
+    """``-np N -nocb``: N slots with contexts of their own, ``n_ctx / N`` tokens each (llama-server's
+    ``-c`` is the total)."""
     from pyllama_dspark.decode.api import Speculator
     from pyllama_dspark.serve.slots import SlotPool
 
@@ -35,7 +37,7 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
     def factory(i: int):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            sp = Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
+            sp = Speculator(target, draft, n_ctx=n_ctx // n_slots, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                             flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose,
                             schedule="off")   # serve sets each decoder's policy (--schedule)
         if i == 0:
@@ -43,7 +45,7 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
                 log.warning("warning: %s", w)
         return sp
 
-    return SlotPool(factory, n_slots)
+    return SlotPool(factory, n_slots, slot_similarity=slot_similarity)
 
 
 @click.command("serve")
@@ -61,7 +63,14 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 @click.option("-cb/-nocb", "--cont-batching/--no-cont-batching", "cont_batching", default=True, show_default=True,
               help="With -np > 1: decode all slots together (one draft and one target decode per step); "
                    "-nocb gives each slot its own contexts and thread.")
-@click.option("-c", "--ctx-size", "n_ctx", type=int, default=4096, show_default=True, help="Context per slot.")
+@click.option("-c", "--ctx-size", "n_ctx", type=int, default=4096, show_default=True,
+              help="Context of all slots together (each gets c / np, as in llama-server; -kvu: any may use all).")
+@click.option("-kvu/-no-kvu", "--kv-unified/--no-kv-unified", "kv_unified", default=False, show_default=True,
+              help="One KV buffer for all slots (with continuous batching): a slot may use the whole -c.")
+@click.option("-sps", "--slot-prompt-similarity", "slot_similarity", type=float, default=0.1, show_default=True,
+              help="Reuse the slot whose cached prompt matches this fraction of a new prompt (0: least recently "
+                   "used slot only).")
+@click.option("--metrics", "metrics", is_flag=True, help="Serve Prometheus metrics at /metrics.")
 @click.option("-b", "--batch-size", "n_batch", type=int, default=512, show_default=True)
 @click.option("-ub", "--ubatch-size", "n_ubatch", type=int, default=512, show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="Threads per slot (default: all cores).")
@@ -73,7 +82,8 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
 @with_schedule_options
 def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_ctx, n_batch, n_ubatch, threads, flash_attn,
-          n_gpu_layers, api_key, alias, temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n,
+          n_gpu_layers, api_key, alias, kv_unified, slot_similarity, metrics, temp, top_k, top_p, min_p, seed,
+          repeat_penalty, repeat_last_n,
           presence_penalty, frequency_penalty, verbose, schedule, conf_min, p_survival_min, calibration,
           profile_path):
     """OpenAI-compatible server (llama-server's endpoints, timings and draft-acceptance log); the
@@ -89,6 +99,11 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
     for name, v in (("-np", n_slots), ("-c", n_ctx), ("--spec-draft-n-max", n_max), ("-b", n_batch)):
         if v <= 0:
             raise click.BadParameter("must be >= 1", param_hint=name)
+    if not 0.0 <= slot_similarity <= 1.0:
+        raise click.BadParameter("must be in [0, 1]", param_hint="--slot-prompt-similarity")
+    if n_ctx < n_slots * 8 and not kv_unified:
+        raise click.BadParameter(f"{n_ctx} tokens split among {n_slots} slots leaves too little per slot",
+                                 param_hint="-c")
     if not (0 < port < 65536):
         raise click.BadParameter("must be in 1..65535", param_hint="--port")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -106,11 +121,12 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
 
             pool = open_batched_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                                      threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
-                                     verbose=verbose, policy_factory=policy_for)
+                                     verbose=verbose, policy_factory=policy_for, kv_unified=kv_unified,
+                                     slot_similarity=slot_similarity)
         else:
             pool = build_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                               threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
-                              verbose=verbose)
+                              verbose=verbose, slot_similarity=slot_similarity)
             try:
                 for sp_i in pool.speculators:
                     sp_i.decoder.policy = policy_for(sp_i)
@@ -128,6 +144,7 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
             "n_slots": pool.n_slots, "cont_batching": bool(n_slots > 1 and cont_batching)}
     config = ServerConfig(model_id=alias or os.path.basename(target), api_key=api_key,
                           sampling_defaults=defaults, model_meta=meta)
+    config.metrics = bool(metrics)
     app = create_app(pool, config)
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding to %s: the server is reachable from other machines%s", host,

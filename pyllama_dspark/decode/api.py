@@ -35,7 +35,7 @@ class Speculator(Owned):
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512,
                  n_threads: Optional[int] = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
                  n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False, n_seq: int = 1,
-                 schedule: Union[str, VerifyPolicy, None] = "auto", cost_profile=None):
+                 schedule: Union[str, VerifyPolicy, None] = "auto", cost_profile=None, kv_unified: bool = False):
         """``n_seq``: sequences the contexts hold (``n_ctx`` is shared among them), for a
         :class:`~pyllama_dspark.decode.loop.Decoder` over ``target`` / ``proposer``; ``stream``/``generate`` use
         sequence 0.
@@ -45,13 +45,14 @@ class Speculator(Owned):
         target and settings, <= ~20 s, and cached), ``"off"`` / None (verify every draft, llama.cpp's
         fixed block), or a :class:`~.policy.VerifyPolicy`.  ``cost_profile``: the auto schedule's
         cost curve (a profile path, :class:`~.costprofile.Profile` or :class:`~.schedule.CostModel`)
-        instead of the cached / measured one."""
+        instead of the cached / measured one.  ``kv_unified``: one KV buffer for all ``n_seq``
+        sequences, each of which may then use all of ``n_ctx`` (llama-server's ``-kvu``)."""
         check_n_max(n_max)
         if int(n_seq) <= 0:
             raise ValueError(f"n_seq must be >= 1, got {n_seq}")
         self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
                                         flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, verbose=verbose,
-                                        n_seq_max=int(n_seq))
+                                        n_seq_max=int(n_seq), kv_unified=bool(kv_unified))
         self.settings.validate()
         # validates the pairing from the files before llama.cpp sees them (it aborts on mismatches)
         self.target, self.draft, self.warnings = open_models(target_path, draft_path, self.settings)
@@ -108,16 +109,19 @@ class Speculator(Owned):
     # ---- generation ----------------------------------------------------------------------------
     def stream(self, prompt: Prompt, max_tokens: int = 256, *, chat: bool = False, stop: Sequence[str] = (),
                n_max: Optional[int] = None, ignore_eos: bool = False,
-               sampling: Optional[SamplingParams] = None, reuse_prefix: bool = False) -> Iterator[Union[Chunk, Done]]:
+               sampling: Optional[SamplingParams] = None, reuse_prefix: bool = False,
+               **request) -> Iterator[Union[Chunk, Done]]:
         """Yield Chunk events (tokens + text) and finally a Done with text, tokens and stats.
 
         ``sampling``: None or temperature 0 = greedy; else lossless speculative sampling with
         llama.cpp's sampler chain (:class:`~.sampling.SamplingParams`).  ``reuse_prefix``: decode
-        only the part of the prompt the memories do not already hold (see SpecDecoder.stream)."""
+        only the part of the prompt the memories do not already hold (see SpecDecoder.stream).
+        ``request``: ``grammar``, ``logit_bias``, ``n_probs``, ``post_sampling_probs`` (see
+        :meth:`~.loop.Decoder.submit`)."""
         self._alive()
         tokens, stop = self._prompt(prompt, chat, stop)
         return self.decoder.stream(tokens, max_tokens, n_max=self.n_max if n_max is None else n_max, stop=stop,
-                                   ignore_eos=ignore_eos, sampling=sampling, reuse_prefix=reuse_prefix)
+                                   ignore_eos=ignore_eos, sampling=sampling, reuse_prefix=reuse_prefix, **request)
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, **kw) -> Done:
         done = None

@@ -63,7 +63,7 @@ class SpecDecoder:
     def stream(self, prompt: Sequence[int], max_tokens: int = 256, *, n_max: int = 7,
                stop: Sequence[str] = (), ignore_eos: bool = False,
                sampling: Optional[SamplingParams] = None,
-               reuse_prefix: bool = False) -> Iterator[Union[Chunk, Done]]:
+               reuse_prefix: bool = False, **request) -> Iterator[Union[Chunk, Done]]:
         """Yield a Chunk per cycle, then one Done with the whole result and its Stats.
 
         ``sampling`` None (or temperature <= 0) is greedy decoding; otherwise speculative sampling
@@ -75,12 +75,22 @@ class SpecDecoder:
         same prompt again costs no target decode at all.  Off by default: a partial re-decode
         changes batch shapes, hence the last bits of the logits, versus a fresh prefill.
 
+        ``request``: ``grammar``, ``logit_bias``, ``n_probs``, ``post_sampling_probs`` (see
+        :meth:`~.loop.Decoder.submit`).
+
         The arguments are checked here, before the first event is asked for."""
         self._detach()
         rid = self.loop.submit(prompt, max_tokens, stop, sampling=sampling, ignore_eos=ignore_eos, n_max=n_max,
-                               reuse_prefix=reuse_prefix)
+                               reuse_prefix=reuse_prefix, **request)
         self._rid = rid
         return self._events(rid)
+
+    def cached_tokens(self):
+        """The tokens this decoder's memories hold for the prompt cache (int32; empty: none)."""
+        import numpy as np
+
+        t = self.loop.cache.tokens.get(self.seq_id)
+        return np.zeros(0, dtype=np.int32) if t is None else t
 
     def _detach(self) -> None:
         """End the stream in progress, if any (abandoned by its reader): its slot is freed and the

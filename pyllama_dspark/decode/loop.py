@@ -35,34 +35,15 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from pyllama_dspark.decode.cycle import (Chunk, Done, OneHotRows, PieceCache, Started, Stats, TargetRows, TextStream,
-                                         check_prompt)
+from pyllama_dspark.decode.cycle import Chunk, Done, OneHotRows, PieceCache, Started, TargetRows
+from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache
+from pyllama_dspark.decode.request import Request, grammar_cut, make_request, token_probs
 from pyllama_dspark.llama.handles import Draft, Target
 from pyllama_dspark.spec.drafter import (BlockRequest, DraftModelProposer, NoDraft, Proposer, check_n_max,
                                          observe_later, propose_all)
 from pyllama_dspark.spec.policy import VerifyPolicy
-from pyllama_dspark.spec.sampling import SamplingParams, TokenSampler
+from pyllama_dspark.spec.sampling import SamplingParams
 from pyllama_dspark.spec.verify import greedy_accept, speculative_accept
-
-
-@dataclass
-class _Seq:
-    rid: int
-    prompt: np.ndarray
-    max_tokens: int
-    n_max: int
-    text: TextStream
-    smp: Optional[TokenSampler] = None
-    ignore_eos: bool = False
-    reuse: bool = False
-    seq_id: int = -1
-    out: List[int] = field(default_factory=list)
-    pending: List[int] = field(default_factory=list)   # emitted, not yet handed out
-    anchor: int = 0
-    pos0: int = 0
-    finish: Optional[str] = None
-    stats: Stats = field(default_factory=Stats)
-    t_start: float = 0.0
 
 
 class Decoder:
@@ -70,7 +51,8 @@ class Decoder:
 
     def __init__(self, target: Target, proposer: Union[Draft, Proposer, None] = None, *, n_max: int = 7,
                  policy: Optional[VerifyPolicy] = None, streaming: bool = False, tie_eps: float = 1e-3,
-                 slots: Optional[Sequence[int]] = None, keep_memory: bool = False):
+                 slots: Optional[Sequence[int]] = None, keep_memory: bool = False,
+                 slot_similarity: float = SLOT_PROMPT_SIMILARITY):
         """``proposer``: a Draft (every block of a step in one draft decode), any other Proposer
         (e.g. the oracle), or None (plain decoding).  ``n_max``: the largest draft block a request
         may ask for (clamped to what the drafter produces).  ``policy``: how much of each block to
@@ -79,7 +61,8 @@ class Decoder:
         row whose top-2 logit gap is below it counts as a numerical near-tie.  ``slots``: the
         sequence ids this decoder may use (default: every sequence of the target's context).
         ``keep_memory``: a finished request's memories stay as they are (instead of being cleared),
-        so that a later request with ``reuse_prefix`` decodes only what they do not hold."""
+        so that a later request with ``reuse_prefix`` decodes only what they do not hold; a request
+        then gets its slot by llama-server's rule (:mod:`.prompt_cache`, ``slot_similarity``)."""
         self.target = target
         self.tie_eps = float(tie_eps)
         n_seq = int(target.settings.n_seq_max)
@@ -87,8 +70,10 @@ class Decoder:
         if not self.slots or any(not 0 <= s < n_seq for s in self.slots) or len(set(self.slots)) < len(self.slots):
             raise ValueError(f"slots must be distinct sequence ids in 0..{n_seq - 1}")
         self.n_slots = len(self.slots)
-        # llama.cpp splits the context evenly among the sequences it was created for
-        self.n_ctx_seq = target.n_ctx // n_seq
+        # llama.cpp splits the context evenly among the sequences it was created for (a unified
+        # KV buffer lets any one of them use all of it)
+        unified = bool(getattr(target.settings, "kv_unified", False))
+        self.n_ctx_seq = target.n_ctx if unified else target.n_ctx // n_seq
         if isinstance(proposer, Draft):
             if int(proposer.settings.n_seq_max) < n_seq:
                 raise ValueError("the draft context needs as many sequences as the target's")
@@ -99,15 +84,13 @@ class Decoder:
         self.eog = target.eog_mask
         self._pieces = PieceCache(target)
         self._free = self.slots[::-1]
-        self._active: List[_Seq] = []
-        self._queue: Deque[_Seq] = deque()
+        self._active: List[Request] = []
+        self._queue: Deque[Request] = deque()
         self._done: Dict[int, Done] = {}
         self._events: List[Tuple[int, Union[Started, Chunk, Done]]] = []
         self._next_rid = 0
-        # per slot, when keep_memory: the tokens at positions 0.. of its memories, and the logits
-        # row after the last prompt that was decoded there (prompt, row)
-        self._mem: Dict[int, np.ndarray] = {}
-        self._prompt_row: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+        # per slot, when keep_memory: what its memories hold (see .prompt_cache)
+        self.cache = PromptCache(slot_similarity)
         self._prop: Optional[Proposer] = None
         self._policy: Optional[VerifyPolicy] = None
         self.proposer = proposer
@@ -140,7 +123,7 @@ class Decoder:
             raise RuntimeError("the proposer cannot change while requests are running")
         self._prop = None if proposer is None or isinstance(proposer, NoDraft) else proposer
         self._max_draft = 0 if self._prop is None else min(self.n_max, self._prop.max_draft())
-        self._mem.clear()
+        self.cache.clear()
         # every request's verify rows go into one target decode (and its block into one draft
         # decode): llama.cpp aborts on a batch larger than n_batch, so refuse the settings here
         rows = self.n_slots * (self._max_draft + 1)
@@ -169,7 +152,8 @@ class Decoder:
     # ---- requests -------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_tokens: int = 256, stop: Sequence[str] = (), *,
                sampling: Optional[SamplingParams] = None, ignore_eos: bool = False,
-               n_max: Optional[int] = None, reuse_prefix: bool = False) -> int:
+               n_max: Optional[int] = None, reuse_prefix: bool = False, grammar=None,
+               logit_bias: Optional[dict] = None, n_probs: int = 0, post_sampling_probs: bool = False) -> int:
         """Queue one request; returns its id.
 
         ``sampling`` None (or temperature 0 without penalties) is greedy decoding, otherwise
@@ -177,30 +161,20 @@ class Decoder:
         block (None: the decoder's), clamped to what the drafter produces.  ``reuse_prefix``
         (with ``keep_memory``): keep what the slot's memories already hold of this prompt and
         decode only the rest; the same prompt again costs no target decode.  Off by default: a
-        partial re-decode changes batch shapes, hence the last bits of the logits."""
-        toks = check_prompt(prompt, self.target.n_vocab, self.n_ctx_seq)
-        if isinstance(max_tokens, bool) or int(max_tokens) <= 0:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if isinstance(stop, str) or not all(isinstance(s, str) for s in stop):
-            raise TypeError("stop must be a sequence of strings")
-        if not all(stop):
-            raise ValueError("stop strings must be non-empty (an empty one would match before any text)")
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
-        n = self._max_draft if n_max is None else min(check_n_max(n_max), self._max_draft)
-        smp = None
-        if sampling is not None and (not sampling.is_greedy or sampling.has_penalties):
-            # (T = 0 with penalties: one-hot rows at the penalized argmax, as llama.cpp picks)
-            # like llama.cpp's --ignore-eos at T > 0: end-of-generation tokens get a -inf logit bias
-            banned = np.flatnonzero(self.eog) if ignore_eos else None
-            smp = TokenSampler(sampling, toks.tolist(), banned=banned)
-        rid = self._next_rid
+        partial re-decode changes batch shapes, hence the last bits of the logits.
+
+        ``grammar``: a GBNF string (or a :class:`~..spec.grammar.Grammar`): the output follows
+        the target constrained by it (llama.cpp's grammar engine).  ``logit_bias``: {token id:
+        bias} added to the target's logits (-inf: never drawn).  ``n_probs`` > 0: a
+        :class:`~..spec.logprobs.TokenProb` per emitted token (``Chunk.probs`` / ``Done.probs``),
+        from the target's rows (``post_sampling_probs``: after the sampler chain)."""
+        s = make_request(self._next_rid, self.target, self._pieces, self.eog, self.n_ctx_seq, self._max_draft, prompt,
+                         max_tokens, stop, sampling=sampling, ignore_eos=ignore_eos, n_max=n_max,
+                         reuse_prefix=reuse_prefix, grammar=grammar, logit_bias=logit_bias, n_probs=n_probs,
+                         post_sampling_probs=post_sampling_probs)
         self._next_rid += 1
-        s = _Seq(rid, toks, int(max_tokens), n, TextStream(self._pieces, stop), smp=smp, ignore_eos=ignore_eos,
-                 reuse=bool(reuse_prefix))
-        s.stats.seed = None if smp is None else smp.seed
         self._queue.append(s)
-        return rid
+        return s.rid
 
     def cancel(self, rid: int) -> bool:
         """Drop a queued or running request (its slot is free for the next step); False if unknown."""
@@ -218,7 +192,11 @@ class Decoder:
     def _admit(self) -> None:
         while self._queue and self._free:
             s = self._queue.popleft()
-            s.seq_id = self._free.pop()
+            if self.keep_memory:
+                s.seq_id = self.cache.pick(self._free, s.prompt)
+                self._free.remove(s.seq_id)
+            else:
+                s.seq_id = self._free.pop()
             if self.streaming:
                 self._events.append((s.rid, Started(s.seq_id)))
             if hasattr(self._prop, "bind"):  # per-sequence proposers (e.g. one oracle per prompt)
@@ -234,10 +212,12 @@ class Decoder:
                 self._finish(s)
 
     # ---- prefill --------------------------------------------------------------------------------
-    def _prefill(self, s: _Seq) -> None:
+    def _prefill(self, s: Request) -> None:
         tgt, prop, seq, toks = self.target, self._prop, s.seq_id, s.prompt
         s.t_start = time.perf_counter()
-        start, row = self._reusable(s) if s.reuse else (0, None)
+        start, row = self.cache.resume(tgt, prop, seq, toks) if s.reuse else (0, None)
+        if not s.reuse:
+            self.cache.forget(seq)
         if row is None:
             if start == 0:
                 tgt.seq_rm(seq, 0, -1)
@@ -250,51 +230,34 @@ class Decoder:
                 if prop is not None:
                     prop.observe(0, len(chunk), c0, seq)
             if self.keep_memory:
-                self._prompt_row[seq] = (toks.copy(), tgt.logits_view(len(chunk) - 1).copy())
+                self.cache.prompt_row[seq] = (toks.copy(), tgt.logits_view(len(chunk) - 1).copy())
+            row = tgt.logits_view(len(chunk) - 1)
             if s.smp is None:
                 tgt.argmax(len(chunk) - 1, 1, self._ids, self._margin)
                 s.anchor = int(self._ids[0])
             else:
-                s.anchor = s.smp.sample(s.smp.probs(tgt.logits_view(len(chunk) - 1)))
+                s.anchor = s.smp.sample(s.smp.probs(row))
         else:
             s.anchor = int(np.argmax(row)) if s.smp is None else s.smp.sample(s.smp.probs(row))
+        if s.n_probs:
+            s.pending_probs = token_probs(s, tgt, 0, [s.anchor], row=row)
         if s.smp is not None:
             s.smp.accept((s.anchor,))
         s.stats.n_prompt = int(toks.size)
+        s.stats.n_cached = int(start)
         s.stats.ms_prefill = (time.perf_counter() - s.t_start) * 1e3
         s.pos0 = int(toks.size)
         self._emit(s, [s.anchor])
 
-    def _reusable(self, s: _Seq) -> Tuple[int, Optional[np.ndarray]]:
-        """Where the prompt's decode starts given what the slot's memories hold (their tail from
-        there removed), and the kept logits row when they hold the whole prompt already."""
-        tgt, prop, seq, toks = self.target, self._prop, s.seq_id, s.prompt
-        mem = self._mem.pop(seq, None)
-        if mem is None:
-            return 0, None
-        m = min(mem.size, toks.size)
-        diff = np.flatnonzero(mem[:m] != toks[:m])
-        start = int(diff[0]) if diff.size else m
-        kept = self._prompt_row.get(seq)
-        if (start == toks.size and kept is not None and np.array_equal(kept[0], toks)
-                and tgt.can_resume_at(seq, start)):
-            row = kept[1]
-        else:
-            row = None
-            start = min(start, toks.size - 1)
-            if not tgt.can_resume_at(seq, start):
-                return 0, None   # an SWA cache no longer holds the window before start: decode it all
-        tgt.seq_rm(seq, start, -1)
-        if prop is not None:
-            prop.rollback(start, seq)
-        return start, row
-
     # ---- emitting and finishing -------------------------------------------------------------------
-    def _emit(self, s: _Seq, toks: List[int]) -> None:
+    def _emit(self, s: Request, toks: List[int]) -> None:
         eog, text = None if s.ignore_eos else self.eog, s.text
-        for t in toks:
+        probs, s.pending_probs = s.pending_probs, []
+        for j, t in enumerate(toks):
             s.out.append(t)
             s.pending.append(t)
+            if probs:
+                s.probs.append(probs[j])
             if eog is not None and eog[t]:
                 s.finish = "stop"
                 return
@@ -308,27 +271,33 @@ class Decoder:
         if s.pos0 + 1 >= self.n_ctx_seq:
             s.finish = "length"
 
-    def _release(self, s: _Seq, keep: Optional[bool] = None) -> None:
+    @staticmethod
+    def _pending_probs(s: Request) -> Optional[list]:
+        return s.probs[len(s.out) - len(s.pending):] if s.n_probs else None
+
+    def _release(self, s: Request, keep: Optional[bool] = None) -> None:
         seq = s.seq_id
+        if s.smp is not None:
+            s.smp.close()   # its grammar, if any
         if self.keep_memory if keep is None else keep:   # the memories hold the prompt and the output before the anchor
-            self._mem[seq] = np.concatenate([s.prompt, np.asarray(s.out[:s.pos0 - s.prompt.size], dtype=np.int32)])
+            self.cache.keep(seq, np.concatenate([s.prompt, np.asarray(s.out[:s.pos0 - s.prompt.size], dtype=np.int32)]))
         else:
-            self._mem.pop(seq, None)
+            self.cache.forget(seq)
             self.target.seq_rm(seq, 0, -1)
             if self._prop is not None:
                 self._prop.reset(seq)
         self._free.append(seq)
 
-    def _finish(self, s: _Seq) -> None:
+    def _finish(self, s: Request) -> None:
         tail = s.text.flush(final=True)
         s.stats.n_generated = len(s.out)
         if self._policy is not None and self._prop is not None:
             s.stats.schedule = self._policy.summary(s.stats.verify_lengths)
         s.stats.ms_total = (time.perf_counter() - s.t_start) * 1e3 - s.stats.ms_prefill
-        done = Done(s.out, s.text.text, s.finish, s.stats)
+        done = Done(s.out, s.text.text, s.finish, s.stats, s.text.stop_word, s.probs if s.n_probs else None)
         if self.streaming:
             if s.pending or tail:
-                self._events.append((s.rid, Chunk(s.pending, tail)))
+                self._events.append((s.rid, Chunk(s.pending, tail, self._pending_probs(s))))
             self._events.append((s.rid, done))
         else:
             self._done[s.rid] = done
@@ -351,6 +320,7 @@ class Decoder:
         drafts: List[Optional[np.ndarray]] = [None] * R
         confs: List[Optional[np.ndarray]] = [None] * R
         qs: List[Optional[list]] = [None] * R
+        cut_q: list = [None] * R   # a grammar cut the block before this draft's q (see grammar_cut)
         n_in_pass = 0
         if prop is not None:
             offset = getattr(prop, "offset", 0)
@@ -366,6 +336,10 @@ class Decoder:
                     drafts[r] = np.asarray(p.tokens[:limit], dtype=np.int32)
                     confs[r] = p.confidence
                     qs[r] = p.probs
+                    if s.smp is not None and s.smp.constrained and len(drafts[r]):
+                        drafts[r], cut_q[r] = grammar_cut(s.smp, drafts[r], qs[r], tgt.n_vocab)
+                        if cut_q[r] is not None and confs[r] is not None:
+                            confs[r] = confs[r][:len(drafts[r])]
                 n_in_pass = len(room)
         t1 = clock()
         # 2. verify lengths
@@ -401,11 +375,17 @@ class Decoder:
                 n_acc = greedy_accept(d, ids, eog)
                 s.stats.near_ties += int(np.count_nonzero(self._margin[off:off + n_acc + 1] < self.tie_eps))
                 emitted = ids[:n_acc + 1].tolist()
+                if s.n_probs:
+                    s.pending_probs = token_probs(s, tgt, off, emitted)
             else:
                 ts = clock()
                 dk = d.copy()
                 q_rows = OneHotRows(dk, tgt.n_vocab) if qs[r] is None else qs[r][:k]
-                n_acc, emitted = speculative_accept(dk, q_rows, TargetRows(tgt, s.smp, dk, off), s.smp.rng.random, eog)
+                cq = cut_q[r] if cut_q[r] is not None and k == len(drafts[r]) else None
+                n_acc, emitted = speculative_accept(dk, q_rows, TargetRows(tgt, s.smp, dk, off), s.smp.rng.random, eog,
+                                                    cut_q=cq)
+                if s.n_probs:
+                    s.pending_probs = token_probs(s, tgt, off, emitted)
                 s.smp.accept(emitted)
                 ms_sample[r] = (clock() - ts) * 1e3
             s.stats.record(k, n_acc)
@@ -443,7 +423,7 @@ class Decoder:
             if s.finish is None:
                 still.append(s)
                 if self.streaming and s.pending:
-                    self._events.append((s.rid, Chunk(s.pending, s.text.flush())))
+                    self._events.append((s.rid, Chunk(s.pending, s.text.flush(), self._pending_probs(s))))
                     s.pending = []
             else:
                 self._finish(s)

@@ -73,6 +73,8 @@ class ContextSettings:
     # cache holds n_swa + n_ubatch cells and a new batch only overwrites cells masked for its
     # first position, so removing a rejected draft tail (always inside the last batch) is safe
     swa_full: bool = False
+    # one KV buffer for all sequences (llama-server's -kvu): any one sequence may use all of n_ctx
+    kv_unified: bool = False
 
     def validate(self) -> None:
         if self.flash_attn not in _FLASH_ATTN:
@@ -94,6 +96,7 @@ class ContextSettings:
         p.n_threads_batch = self.n_threads_batch or threads
         p.flash_attn_type = _FLASH_ATTN[self.flash_attn]
         p.swa_full = bool(self.swa_full)
+        p.kv_unified = bool(self.kv_unified)
         p.no_perf = True
         return p
 

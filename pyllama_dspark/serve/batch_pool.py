@@ -4,7 +4,9 @@ One worker thread owns a :class:`~pyllama_dspark.decode.loop.Decoder` over a tar
 sequences: every step verifies all running requests' rows in one target decode (and drafts all
 their blocks in one draft decode), which is what llama-server does with its slots.  Requests join
 as slots free up, each with its own sampling parameters, stop strings and max_tokens; a cancelled
-job (client gone) is dropped at the next step boundary.  Same interface as
+job (client gone) is dropped at the next step boundary.  Each sequence keeps its memories between
+requests (the prompt cache): a request gets the free sequence whose memories share the largest part
+of its prompt (llama-server's rule, :mod:`~pyllama_dspark.decode.prompt_cache`).  Same interface as
 :class:`~.slots.SlotPool` (``submit(Job)``, ``front``, ``n_ctx``, ``n_busy``, ``close``), so the
 HTTP front end does not know which one it drives.
 """
@@ -14,11 +16,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from pyllama_dspark.decode.cycle import Started
 from pyllama_dspark.decode.cycle import Done
-from pyllama_dspark.serve.slots import Cancelled, Job, JobQueue, _deliver
+from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY
+from pyllama_dspark.serve.slots import Cancelled, Job, JobQueue, _deliver, job_request
 from pyllama_dspark.decode.timings import timing_log_lines
 
 log = logging.getLogger("pyllama_dspark.serve.server")
@@ -30,12 +33,12 @@ class BatchedPool(JobQueue):
     ``sp``: a :class:`~.api.Speculator` opened with ``n_seq=n_slots`` (it owns the contexts and
     is closed with the pool); ``policy``: an optional :class:`~.policy.VerifyPolicy`."""
 
-    def __init__(self, sp, n_max: int = 7, policy=None):
+    def __init__(self, sp, n_max: int = 7, policy=None, slot_similarity: float = SLOT_PROMPT_SIMILARITY):
         from pyllama_dspark.decode.loop import Decoder
 
         self.sp = sp
         self._bd = Decoder(sp.target, sp.proposer if sp.draft is not None else None, n_max=n_max,
-                                policy=policy, streaming=True)
+                           policy=policy, streaming=True, keep_memory=True, slot_similarity=slot_similarity)
         self._init_jobs()
         self._running: Dict[int, Job] = {}     # rid -> job
         self._thread = threading.Thread(target=self._work, name="dspark-batch", daemon=True)
@@ -60,6 +63,16 @@ class BatchedPool(JobQueue):
         with self._lock:
             return min(len(self._running), self.n_slots)
 
+    def slots_info(self) -> List[dict]:
+        """Per sequence slot: llama-server's /slots basics (id, n_ctx, is_processing), the task it
+        runs and how many tokens its memories hold for the prompt cache."""
+        with self._lock:
+            by_slot = {j.slot: j for j in self._running.values() if j.slot >= 0}
+        cache = self._bd.cache
+        return [{"id": i, "n_ctx": self.n_ctx, "is_processing": i in by_slot,
+                 "id_task": by_slot[i].task_id if i in by_slot else -1, "n_cached": cache.n_cached(i)}
+                for i in self._bd.slots]
+
     # ---- jobs --------------------------------------------------------------------------------------
     def close(self) -> None:
         if not self._mark_closed():
@@ -82,7 +95,7 @@ class BatchedPool(JobQueue):
             return
         try:
             rid = self._bd.submit(job.prompt_tokens, job.max_tokens, job.stop, sampling=job.sampling,
-                                  ignore_eos=job.ignore_eos)
+                                  **job_request(job))
         except Exception as e:   # bad request: the client gets it, the batch goes on
             _deliver(job, e)
             return
@@ -167,16 +180,19 @@ class BatchedPool(JobQueue):
 
 def open_batched_pool(target: str, draft: Optional[str], *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int,
                       threads, flash_attn: str, n_gpu_layers: int, n_max: int, verbose: bool = False,
-                      policy_factory=None) -> BatchedPool:
-    """A Speculator with ``n_slots`` sequences of ``n_ctx`` tokens each, wrapped in a BatchedPool;
-    ``policy_factory(sp)``: the VerifyPolicy of its decoder (None: verify every draft)."""
+                      policy_factory=None, kv_unified: bool = False,
+                      slot_similarity: float = SLOT_PROMPT_SIMILARITY) -> BatchedPool:
+    """A Speculator with ``n_slots`` sequences sharing ``n_ctx`` tokens (llama-server's ``-c``:
+    ``n_ctx / n_slots`` each, or all of it for any one with ``kv_unified``), wrapped in a
+    BatchedPool; ``policy_factory(sp)``: the VerifyPolicy of its decoder (None: verify every draft)."""
     from pyllama_dspark.decode.api import Speculator
 
-    sp = Speculator(target, draft, n_ctx=n_ctx * n_slots, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
+    sp = Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                     flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose, n_seq=n_slots,
-                    schedule="off")   # the pool's decoder gets its policy from policy_factory
+                    schedule="off", kv_unified=kv_unified)   # the pool's decoder gets its policy from policy_factory
     try:
-        return BatchedPool(sp, n_max=n_max, policy=policy_factory(sp) if policy_factory else None)
+        return BatchedPool(sp, n_max=n_max, policy=policy_factory(sp) if policy_factory else None,
+                           slot_similarity=slot_similarity)
     except BaseException:
         sp.close()
         raise

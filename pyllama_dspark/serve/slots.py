@@ -6,6 +6,11 @@ N copies share the model pages).  llama.cpp calls release the GIL, so the slots 
 concurrently.  This is ``serve -np N -nocb``; by default N > 1 slots are decoded together by one
 batched decoder behind the same interface (:class:`~.batch_pool.BatchedPool`).
 
+Each slot keeps its memories between requests (the prompt cache): a dispatcher hands the next
+queued job to the free slot whose memories share the largest part of its prompt, by llama-server's
+rule (:func:`~pyllama_dspark.decode.prompt_cache.pick_slot`), and the slot decodes only what they
+lack (``Job.cache_prompt``).
+
 A :class:`Job` carries a cancel flag (a client that went away): a queued job is dropped when a slot
 takes it, a running one stops at the next cycle boundary, and the slot is free again.  Events
 (``Chunk``, ``Done``, or an exception) reach the caller through ``job.on_event`` from the worker
@@ -21,7 +26,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence
 
+import numpy as np
+
 from pyllama_dspark.decode.cycle import Done
+from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY, pick_slot
 from pyllama_dspark.decode.timings import timing_log_lines
 
 log = logging.getLogger("pyllama_dspark.serve.server")
@@ -120,7 +128,8 @@ class JobQueue:
 class SlotPool(JobQueue):
     """``n_slots`` workers over Speculators made by ``factory(slot_index)``."""
 
-    def __init__(self, factory: Callable[[int], Any], n_slots: int = 1):
+    def __init__(self, factory: Callable[[int], Any], n_slots: int = 1,
+                 slot_similarity: float = SLOT_PROMPT_SIMILARITY):
         if int(n_slots) < 1:
             raise ValueError(f"the number of slots must be >= 1, got {n_slots}")
         self.speculators: List[Any] = []
@@ -132,11 +141,18 @@ class SlotPool(JobQueue):
                 sp.close()
             raise
         self._init_jobs()
-        self.busy = [False] * len(self.speculators)
-        self._running: List[Optional[Job]] = [None] * len(self.speculators)
+        self.similarity = float(slot_similarity)
+        n = len(self.speculators)
+        self.busy = [False] * n
+        self._running: List[Optional[Job]] = [None] * n
+        self._last_used: List[Optional[int]] = [None] * n
+        self._clock = itertools.count()
+        self._slot_free = threading.Condition(self._lock)
+        self._slot_q: List["queue.Queue[Optional[Job]]"] = [queue.Queue() for _ in range(n)]
         self._threads = [threading.Thread(target=self._work, args=(i,), name=f"dspark-slot-{i}", daemon=True)
-                         for i in range(len(self.speculators))]
-        for t in self._threads:
+                         for i in range(n)]
+        self._dispatcher = threading.Thread(target=self._dispatch, name="dspark-dispatch", daemon=True)
+        for t in self._threads + [self._dispatcher]:
             t.start()
 
     # ---- properties ------------------------------------------------------------------------------
@@ -172,8 +188,10 @@ class SlotPool(JobQueue):
                 running = [j for j in self._running if j is not None]
             for j in running:
                 j.cancel()
-            for _ in self._threads:
-                self._queue.put(None)
+            self._queue.put(None)   # the dispatcher stops, then tells every worker to
+            with self._slot_free:
+                self._slot_free.notify_all()   # a job waiting for a free slot is cancelled now
+            self._dispatcher.join(timeout=max(timeout, 10.0))   # it never waits on a decode
             for slot, (t, sp) in enumerate(zip(self._threads, self.speculators)):
                 t.join(timeout=timeout)
                 if t.is_alive():
@@ -184,21 +202,54 @@ class SlotPool(JobQueue):
         finally:
             self._closed_now()
 
-    # ---- worker ------------------------------------------------------------------------------------
-    def _work(self, slot: int) -> None:
-        sp = self.speculators[slot]
+    def slots_info(self) -> List[dict]:
+        """Per slot: llama-server's /slots basics (id, n_ctx, is_processing), the task it runs and
+        how many tokens its memories hold for the prompt cache."""
+        with self._lock:
+            busy, running = list(self.busy), list(self._running)
+        return [{"id": i, "n_ctx": self.n_ctx, "is_processing": busy[i],
+                 "id_task": running[i].task_id if running[i] is not None else -1,
+                 "n_cached": 0 if self._held(i) is None else int(self._held(i).size)}
+                for i in range(len(self.speculators))]
+
+    def _held(self, slot: int):
+        dec = getattr(self.speculators[slot], "decoder", None)
+        return None if dec is None else dec.cached_tokens()
+
+    # ---- dispatcher and workers ----------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Hands each queued job to a free slot (the prompt-cache rule), waiting for one if needed."""
         while True:
             job = self._queue.get()
             if job is None:
+                for q in self._slot_q:
+                    q.put(None)
                 return
-            job.slot = slot
             if job.cancelled:
                 self._count(cancelled=True)
                 _deliver(job, Cancelled("cancelled while queued"))
                 continue
-            with self._lock:
+            with self._slot_free:
+                while all(self.busy) and not self._closed:
+                    self._slot_free.wait(0.5)
+                if self._closed:
+                    job.cancel()
+                    _deliver(job, Cancelled("server shutting down"))
+                    continue
+                free = [i for i, b in enumerate(self.busy) if not b]
+                prompt = np.asarray(job.prompt_tokens, dtype=np.int32)
+                slot = pick_slot(free, prompt, self._held, self._last_used.__getitem__, self.similarity)
                 self.busy[slot] = True
                 self._running[slot] = job
+            self._slot_q[slot].put(job)
+
+    def _work(self, slot: int) -> None:
+        sp = self.speculators[slot]
+        while True:
+            job = self._slot_q[slot].get()
+            if job is None:
+                return
+            job.slot = slot
             log.info("slot launch_slot_: id %2d | task %d | processing task (%d prompt tokens)",
                      slot, job.task_id, len(job.prompt_tokens))
             try:
@@ -207,13 +258,20 @@ class SlotPool(JobQueue):
                 log.error("slot   send_error: id %2d | task %d | error: %s", slot, job.task_id, e)
                 _deliver(job, e)
             finally:
-                with self._lock:
+                with self._slot_free:
                     self.busy[slot] = False
                     self._running[slot] = None
+                    self._last_used[slot] = next(self._clock)
+                    self._slot_free.notify_all()
                 log.info("slot      release: id %2d | task %d | stop processing", slot, job.task_id)
 
     def _run(self, sp, slot: int, job: Job) -> None:
-        kw = {"stop": list(job.stop), "ignore_eos": job.ignore_eos}
+        if job.cancelled:
+            self._count(cancelled=True)
+            _deliver(job, Cancelled("cancelled while queued"))
+            return
+        kw = job_request(job)
+        kw["stop"] = list(job.stop)
         if job.sampling is not None:
             kw["sampling"] = job.sampling
         gen = sp.stream(job.prompt_tokens, job.max_tokens, **kw)
@@ -233,6 +291,12 @@ class SlotPool(JobQueue):
         finally:
             gen.close()
 
+
+
+def job_request(job: Job) -> dict:
+    """The decoder's per-request arguments of a job (besides prompt, max_tokens, stop, sampling)."""
+    return {"ignore_eos": job.ignore_eos, "reuse_prefix": job.cache_prompt, "grammar": job.grammar,
+            "logit_bias": job.logit_bias, "n_probs": job.n_probs, "post_sampling_probs": job.post_sampling_probs}
 
 
 def _deliver(job: Job, ev: Any) -> None:

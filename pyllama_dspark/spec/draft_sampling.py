@@ -143,7 +143,7 @@ class BlockSampler:
                     logits = logits + bias_delta(bias[0], bias[1], self.d2t, self.n_vocab)
                     if conf is not None:
                         conf[k] = self.conf(d.hidden(row0 + k), w1[1])
-            q = smp.probs(logits, tokens)
+            q = smp.draft_probs(logits, tokens)
             tokens.append(smp.sample(q))
             q_rows.append(q)
         return np.asarray(tokens, dtype=np.int32), q_rows, conf

@@ -6,12 +6,20 @@ never calls into this module.  With penalties (llama.cpp applies them before the
 :class:`TokenSampler` stands in: its rows are one-hot at the argmax of the penalized row, so the
 speculative accept rule reduces to "draft == penalized argmax", the history including the drafted
 prefix.
+
+A request's ``logit_bias`` (token id -> bias added to its logit, -inf: never drawn) and grammar (a
+:class:`~.grammar.GrammarCursor` over llama.cpp's grammar engine) act on the target's rows before
+the chain: the chain runs on the biased row with every token the grammar rejects at -inf, so the
+output follows constrained sampling from the target (at T = 0 the constrained argmax, found with
+one single-token grammar check when the unconstrained pick is allowed).  The draft's rows
+(:meth:`TokenSampler.draft_probs`) get the bias but not the grammar: the loop cuts a block at its
+first token the grammar rejects (:func:`~.verify.speculative_accept`'s ``cut_q``).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterable, Optional, Sequence
+from typing import Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -32,7 +40,8 @@ class TokenSampler:
     At temperature <= 0 (only needed with penalties: llama.cpp's greedy pick over the penalized
     row) :meth:`probs` is one-hot at that pick and the seed is None."""
 
-    def __init__(self, params: SamplingParams, history: Iterable[int] = (), banned: Optional[Sequence[int]] = None):
+    def __init__(self, params: SamplingParams, history: Iterable[int] = (), banned: Optional[Sequence[int]] = None,
+                 logit_bias: Optional[Dict[int, float]] = None, grammar=None):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
         self.params = params
@@ -46,6 +55,21 @@ class TokenSampler:
         self._nat = nat
         self._cparams = (chain_params_native(nat, replace(params, temperature=0.0) if self.greedy else params)
                          if nat else None)
+        self.grammar = grammar          # a GrammarCursor, or None
+        if logit_bias:
+            self._bias_ids = np.fromiter(logit_bias.keys(), dtype=np.int64, count=len(logit_bias))
+            self._bias_vals = np.fromiter(logit_bias.values(), dtype=np.float32, count=len(logit_bias))
+        else:
+            self._bias_ids = None
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
+
+    def close(self) -> None:
+        if self.grammar is not None:
+            self.grammar.close()
+            self.grammar = None
 
     def window(self, extra: Sequence[int] = ()) -> Optional[np.ndarray]:
         """The last penalty_last_n tokens of history + extra (None when penalties are off)."""
@@ -60,8 +84,31 @@ class TokenSampler:
         return np.asarray(seq, dtype=np.int32)
 
     def probs(self, logits: np.ndarray, extra: Sequence[int] = ()) -> Dist:
-        """Chain distribution of a logits row, the sequence being history + ``extra`` (one-hot at
-        the penalized argmax at temperature <= 0)."""
+        """Chain distribution of a target logits row, the sequence being history + ``extra``
+        (one-hot at the penalized argmax at temperature <= 0): logit bias, then the grammar's
+        mask in the state after ``extra``, then the chain."""
+        x = self._biased(logits)
+        if self.grammar is None:
+            return self._chain(x, extra)
+        g = self.grammar.state_after(extra)
+        if self.greedy:
+            d = self._chain(x, extra)
+            if g.allows(int(d.ids[0])):   # the unconstrained pick is allowed: it is the constrained one
+                return d
+        return self._chain(g.mask(x), extra)
+
+    def draft_probs(self, logits: np.ndarray, extra: Sequence[int] = ()) -> Dist:
+        """The draft's row: logit bias and chain, no grammar (see the module's doc)."""
+        return self._chain(self._biased(logits), extra)
+
+    def _biased(self, logits: np.ndarray) -> np.ndarray:
+        if self._bias_ids is None:
+            return logits
+        x = np.array(logits, dtype=np.float32, copy=True)
+        x[self._bias_ids] += self._bias_vals
+        return x
+
+    def _chain(self, logits: np.ndarray, extra: Sequence[int] = ()) -> Dist:
         if self._nat:
             return chain_dist_native(self._nat, logits_row(logits), self.params, self.window(extra), self._banned32,
                                      self._cparams)
@@ -73,6 +120,10 @@ class TokenSampler:
         return sample_from(probs, self.rng.random())
 
     def accept(self, tokens: Iterable[int]) -> None:
-        """Tokens committed to the sequence (only tracked when penalties are on)."""
+        """Tokens committed to the sequence (the penalty history, when penalties are on, and the
+        grammar's state)."""
+        tokens = [int(t) for t in tokens]
         if self.params.has_penalties:
-            self.history.extend(int(t) for t in tokens)
+            self.history.extend(tokens)
+        if self.grammar is not None:
+            self.grammar.commit(tokens)

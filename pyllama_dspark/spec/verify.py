@@ -75,7 +75,7 @@ def residual(p, q):
 
 
 def speculative_accept(drafted: np.ndarray, draft_probs, target_probs, uniforms,
-                       eog: Optional[np.ndarray] = None) -> Tuple[int, List[int]]:
+                       eog: Optional[np.ndarray] = None, cut_q=None) -> Tuple[int, List[int]]:
     """Speculative sampling (Leviathan et al. / Chen et al.): lossless at any temperature.
 
     ``drafted[i]`` was drawn from ``draft_probs[i]`` (a probability vector over the vocabulary, or
@@ -89,6 +89,12 @@ def speculative_accept(drafted: np.ndarray, draft_probs, target_probs, uniforms,
     rejection the emitted token is drawn from norm(max(p - q, 0)); after a fully accepted block the
     bonus is drawn from the last target row.  An accepted end-of-generation draft (``eog``) ends
     the block there (nothing after it is emitted).
+
+    ``cut_q``: the block was cut before a draft the target rejects with certainty (its target
+    probability is 0: a grammar forbids it), drawn from ``cut_q``.  That draft is not verified;
+    after the accepted block the emitted token is drawn from norm(max(p - cut_q, 0)), which is
+    what its certain rejection would have drawn, so the output law is unchanged while no target
+    row is spent on the doomed draft.
 
     Returns ``(n_acc, emitted)``: the number of accepted drafts and the emitted tokens (the
     accepted drafts, then the resampled / bonus token unless an EOG draft ended the block).
@@ -111,6 +117,7 @@ def speculative_accept(drafted: np.ndarray, draft_probs, target_probs, uniforms,
             continue
         emitted.append(sample_from(residual(p, q), uniforms()))
         return i, emitted
-    emitted.append(sample_from(target_probs[n], uniforms()))
+    last = target_probs[n]
+    emitted.append(sample_from(last if cut_q is None else residual(last, cut_q), uniforms()))
     return n, emitted
 
