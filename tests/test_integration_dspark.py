@@ -49,7 +49,7 @@ def ds(target_path, dspark_draft_path):
 def _check_timings(t: dict, stats) -> None:
     assert TIMING_KEYS <= set(t)
     assert t["draft_n"] == stats.drafted and t["draft_n_accepted"] == stats.accepted
-    assert t["predicted_n"] == stats.n_generated and t["prompt_n"] == stats.n_prompt
+    assert t["predicted_n"] == stats.n_generated and t["prompt_n"] + t["cache_n"] == stats.n_prompt
     assert t["prompt_ms"] > 0 and t["predicted_ms"] > 0 and t["predicted_per_second"] > 0
 
 

@@ -115,10 +115,10 @@ def _check_timings(t, usage=None):
               "predicted_per_token_ms", "predicted_per_second", "draft_n", "draft_n_accepted"):
         assert k in t, k
     assert 0 <= t["draft_n_accepted"] <= t["draft_n"]
-    assert t["predicted_n"] >= 1 and t["prompt_n"] >= 1
+    assert t["predicted_n"] >= 1 and t["prompt_n"] >= 0 and t["cache_n"] >= 0
     if usage is not None:
         assert usage["completion_tokens"] == t["predicted_n"]
-        assert usage["prompt_tokens"] == t["prompt_n"]
+        assert usage["prompt_tokens"] == t["prompt_n"] + t["cache_n"]
 
 
 def _report_excused(excused, what):

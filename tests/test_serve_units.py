@@ -28,6 +28,9 @@ def test_parse_chat_request_fields():
     assert parse_request({"prompt": [1, 2, 3]}, "completion").prompt == [1, 2, 3]
     assert parse_request({"prompt": ["hi"]}, "completion").prompt == "hi"
     assert parse_request({"prompt": "hi", "n_predict": -1}, "completion").max_tokens == -1
+    # llama-server looks n_predict up first, then max_completion_tokens, then max_tokens
+    assert parse_request({"prompt": "hi", "max_tokens": 3, "n_predict": 7}, "completion").max_tokens == 7
+    assert parse_request({"prompt": "hi", "max_tokens": 3, "max_completion_tokens": 5}, "native").max_tokens == 5
 
 
 @pytest.mark.parametrize("body,kind,param", [
@@ -42,6 +45,13 @@ def test_parse_chat_request_fields():
     ({"prompt": ["a", "b"]}, "completion", "prompt"),
     ({"prompt": "x", "stream_options": 1}, "completion", "stream_options"),
     ({"prompt": "x", "model": 3}, "completion", "model"),
+    ({"prompt": "x", "grammar": 5}, "completion", "grammar"),
+    ({"prompt": "x", "logprobs": "yes"}, "completion", "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, "chat", "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "chat", "top_logprobs"),
+    ({"prompt": "x", "logit_bias": {"5": "down"}}, "native", "logit_bias"),
+    ({"prompt": "x", "cache_prompt": "yes"}, "native", "cache_prompt"),
+    ({"prompt": "x", "json_schema": "object"}, "native", "json_schema"),
 ])
 def test_parse_rejects(body, kind, param):
     with pytest.raises(RequestError) as e:
@@ -69,7 +79,19 @@ def test_timings_and_log_lines_match_llama_server():
 def test_response_dicts():
     c = fmt.chat_completion("chatcmpl-x", "m", "hi", "stop", 3, 2, {"draft_n": 0})
     assert c["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
-    assert c["usage"] == {"completion_tokens": 2, "prompt_tokens": 3, "total_tokens": 5} and "timings" in c
+    assert c["usage"] == {"completion_tokens": 2, "prompt_tokens": 3, "total_tokens": 5,
+                          "prompt_tokens_details": {"cached_tokens": 0}} and "timings" in c
+    assert "logprobs" not in c["choices"][0]                     # llama-server: only when there are some
+    c = fmt.chat_completion("chatcmpl-x", "m", "hi", "stop", 3, 2, n_cached=2, logprobs=[{"id": 1}])
+    assert c["usage"]["prompt_tokens_details"] == {"cached_tokens": 2} and c["usage"]["prompt_tokens"] == 3
+    assert c["choices"][0]["logprobs"] == {"content": [{"id": 1}]}
+    t = fmt.text_completion("cmpl-x", "m", "hi", "length", 3, 2)
+    assert t["choices"][0]["logprobs"] is None                   # OpenAI's default: null
+    t = fmt.text_completion("cmpl-x", "m", "hi", "length", 3, 2, logprobs=[{"id": 1}])
+    assert t["choices"][0]["logprobs"] == {"content": [{"id": 1}]}   # llama-server's form, not tokens/token_logprobs
+    k = fmt.chat_chunk("chatcmpl-x", "m", 1, {"content": "h"}, logprobs=[{"id": 1}])
+    assert k["choices"][0]["logprobs"] == {"content": [{"id": 1}]}
+    assert fmt.text_chunk("cmpl-x", "m", 1, "h")["choices"][0]["logprobs"] is None
     k = fmt.chat_chunk("chatcmpl-x", "m", 1, {"content": "h"})
     assert k["object"] == "chat.completion.chunk" and "timings" not in k
     assert fmt.error_body("bad", code=400) == {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}

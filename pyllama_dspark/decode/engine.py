@@ -85,6 +85,11 @@ class SpecDecoder:
         self._rid = rid
         return self._events(rid)
 
+    def forget(self) -> None:
+        """Drop what the prompt cache believes the memories hold (someone else decoded there)."""
+        self._detach()
+        self.loop.cache.forget(self.seq_id)
+
     def cached_tokens(self):
         """The tokens this decoder's memories hold for the prompt cache (int32; empty: none)."""
         import numpy as np

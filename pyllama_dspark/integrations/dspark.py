@@ -76,24 +76,31 @@ class DSpark(Owned):
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512, n_threads: Optional[int] = None,
                  flash_attn: str = "auto", n_gpu_layers: int = 0, chat_format: Optional[str] = None,
                  chat_handler=None, last_n_tokens_size: int = 64, verbose: bool = False,
-                 schedule="auto", cost_profile=None):
+                 schedule="auto", cost_profile=None, cache_prompt: bool = False):
         """``schedule``: ``"auto"`` (default: verify drafts only where it pays on this machine's
         measured, cached cost curve), ``"off"`` (every draft verified, llama.cpp's fixed block) or
-        a :class:`~.policy.VerifyPolicy`; ``cost_profile`` as for :class:`~.api.Speculator`."""
+        a :class:`~.policy.VerifyPolicy`; ``cost_profile`` as for :class:`~.api.Speculator`.
+        ``cache_prompt``: keep the memories (target and draft) between calls and decode only the
+        part of the next prompt they lack, as ``Llama`` reuses its cached prefix: turn k of a chat
+        decodes the new turn only.  Off by default: a prefix decoded in other batch shapes than a
+        fresh prefill changes the logits' last bits, so greedy output can differ from a fresh
+        call's at a numerical near-tie."""
         self._sp = Speculator(target_path, draft_path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                               n_threads=n_threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers,
                               n_max=n_max, verbose=verbose, schedule=schedule, cost_profile=cost_profile)
         self._setup(self._sp.target, self._sp.draft, self._sp.proposer, self._sp.n_max, str(target_path),
                     None, last_n_tokens_size, policy=self._sp.policy)
+        self.cache_prompt = bool(cache_prompt)
         self.warnings = list(self._sp.warnings)
         self._handler = chat_handler or self._handler_from_gguf(chat_format)
 
     @classmethod
     def from_llama(cls, llm, draft_path: Optional[str] = None, *, n_max: int = 7, schedule="auto",
-                   cost_profile=None) -> "DSpark":
+                   cost_profile=None, cache_prompt: bool = False) -> "DSpark":
         """A DSpark over an existing ``llama_cpp.Llama``: its context, model, chat format and
         ``last_n_tokens_size``.  Closing the DSpark leaves the Llama usable; closing the Llama
-        closes the DSpark first."""
+        closes the DSpark first.  ``cache_prompt``: as for the constructor, as long as the Llama
+        itself did not decode in between (its tokens then replaced ours in the shared memory)."""
         ctx = llama_ctx(llm)
         check_n_max(n_max)
         self = cls.__new__(cls)
@@ -116,6 +123,7 @@ class DSpark(Owned):
             raise
         self._setup(target, draft, proposer, int(n_max), str(llm.model_path), llm, llm.last_n_tokens_size,
                     policy=policy)
+        self.cache_prompt = bool(cache_prompt)
         self.warnings = found
         self._handler = (llm.chat_handler or llm._chat_handlers.get(llm.chat_format)
                          or lcf.get_chat_completion_handler(llm.chat_format))
@@ -264,8 +272,11 @@ class DSpark(Owned):
         sampling = self._sampling(temperature, top_k, top_p, min_p, seed, repeat_penalty, presence_penalty,
                                   frequency_penalty, typical_p, mirostat_mode)
         if self._llm is not None:
+            if self._llm.n_tokens:   # the Llama decoded since our last call: the memory is its, not ours
+                self.decoder.forget()
             self._llm.reset()   # the shared KV is about to hold our sequence, not the Llama's
-        events = self.decoder.stream(tokens, int(max_tokens), n_max=self.n_max, stop=stops, sampling=sampling)
+        events = self.decoder.stream(tokens, int(max_tokens), n_max=self.n_max, stop=stops, sampling=sampling,
+                                     reuse_prefix=self.cache_prompt)
         head = (oai.new_completion_id(), oai.now(), model if model is not None else self.model_path)
         if stream:   # like Llama: echo applies to non-streaming responses only
             return self._chunks(events, head, len(tokens), stand_in)

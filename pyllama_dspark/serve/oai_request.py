@@ -1,21 +1,39 @@
-"""OpenAI-style request bodies (as llama-server accepts them) -> a checked :class:`GenRequest`.
+"""Request bodies (as llama-server accepts them) -> a checked :class:`GenRequest`.
 
 Pure Python, no HTTP: the server calls :func:`parse_request` on the decoded JSON body and turns a
 :class:`RequestError` into an HTTP error with an OpenAI-style body.  Unknown fields are ignored
 (llama-server ignores them too); a known field of the wrong type or out of range is an error.
 
-Fields (``/v1/chat/completions`` and ``/v1/completions``): ``messages`` (chat) / ``prompt``
-(completion: a string, a list of token ids, or a one-element list of strings), ``max_tokens``
-(aliases ``max_completion_tokens``, ``n_predict``; -1 = until the context is full),
-``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``repeat_penalty``,
-``presence_penalty``, ``frequency_penalty``, ``stop`` (string or list), ``stream``,
-``stream_options.include_usage``, ``ignore_eos``, ``n`` (must be 1), ``model`` (echoed only).
+Kinds: ``"chat"`` (``/v1/chat/completions``), ``"completion"`` (``/v1/completions``) and
+``"native"`` (llama-server's own ``/completion``).  Fields: ``messages`` (chat) / ``prompt`` (a
+string, token ids, a mix of both, or a one-element list of strings), ``n_predict`` (aliases
+``max_completion_tokens``, ``max_tokens``, looked up in that order as llama-server does; -1 =
+until the context is full), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``,
+``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``, ``stop``
+(string or list), ``stream``, ``stream_options.include_usage``, ``ignore_eos``, ``n`` (must be 1),
+``model`` (echoed only), ``cache_prompt`` (default true), ``return_tokens``, ``id_slot`` (checked,
+then ignored: the pool picks the slot);
+
+* constraints: ``grammar`` (GBNF text), ``json_schema`` (an object; ``{}`` = any object), and on
+  chat ``response_format`` (``{"type": "text" | "json_object" [, "schema"] | "json_schema",
+  "json_schema": {"schema"}}``) -- llama-server's precedence: on chat ``json_schema`` together
+  with ``grammar`` is an error and a schema (from either field) wins over ``grammar``; on the
+  completion endpoints ``grammar`` wins and ``response_format`` is not read (llama-server reads it
+  on chat only).  :func:`grammar_text` turns the result into GBNF;
+* probabilities: chat ``logprobs`` (boolean) + ``top_logprobs`` (default 20; without ``logprobs``
+  an error), completion ``logprobs`` = N (an alias of ``n_probs``), ``n_probs``,
+  ``post_sampling_probs``;
+* ``logit_bias``: ``{"id": bias}`` (OpenAI; a key that is not a number is text, and every token
+  of it gets the bias), ``[[id, bias], ["text", bias]]``; ``false`` as the bias bans the token.
+  Ids outside the vocabulary are dropped (:func:`resolve_logit_bias`), as llama-server drops them.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 
 class RequestError(Exception):
@@ -41,16 +59,19 @@ _SAMPLING_FIELDS = {
     "repeat_penalty": (_NUM, 0.0, None),
     "presence_penalty": (_NUM, None, None),
     "frequency_penalty": (_NUM, None, None),
+    "repeat_last_n": ((int,), 0, None),         # llama-server's name of penalty_last_n (hard limit >= 0)
 }
+_SAMPLING_NAMES = {"repeat_last_n": "penalty_last_n"}
+N_PROBS_CHAT_DEFAULT = 20                       # llama-server's top_logprobs when only logprobs is set
 
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 
 
 @dataclass
 class GenRequest:
-    kind: str                                   # "chat" | "completion"
+    kind: str                                   # "chat" | "completion" | "native"
     messages: Optional[List[Dict[str, str]]] = None
-    prompt: Optional[Union[str, List[int]]] = None
+    prompt: Optional[Union[str, List[Union[int, str]]]] = None   # text, token ids, or a mix of both
     max_tokens: int = -1                        # -1: until EOS / the context is full
     stop: List[str] = field(default_factory=list)
     stream: bool = False
@@ -58,6 +79,14 @@ class GenRequest:
     ignore_eos: bool = False
     model: Optional[str] = None
     sampling: Dict[str, Any] = field(default_factory=dict)   # only the fields the client sent
+    grammar: Optional[str] = None               # GBNF the client sent (used when json_schema is None)
+    json_schema: Optional[dict] = None          # the effective JSON schema (json_schema / response_format)
+    logit_bias: List[Tuple[Union[int, str], float]] = field(default_factory=list)   # (id or text, bias)
+    n_probs: int = 0                            # > 0: probabilities of the top n_probs tokens per token
+    post_sampling_probs: bool = False
+    cache_prompt: bool = True
+    return_tokens: bool = False                 # native: the generated ids in "tokens"
+    id_slot: int = -1                           # accepted, ignored (the pool picks the slot)
 
 
 def _typename(v: Any) -> str:
@@ -136,6 +165,8 @@ def _prompt(body: dict) -> Union[str, List[int]]:
         if all(isinstance(t, str) for t in p):
             raise RequestError("several prompts in one request are not supported; send one prompt per request",
                                param="prompt")
+        if all(isinstance(t, str) or _is(t, int) for t in p):
+            return list(p)     # llama-server's mixed prompt: text pieces and token ids, in order
         raise RequestError("'prompt' must be a string or an array of token ids", param="prompt")
     raise RequestError(f"'prompt' must be a string or an array of token ids, got {_typename(p)}", param="prompt")
 
@@ -160,10 +191,170 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
+def _schema(v: Any, name: str) -> dict:
+    if not isinstance(v, dict):
+        raise RequestError(f"'{name}' must be a JSON schema object, got {_typename(v)}", param=name)
+    return v
+
+
+def _constraints(body: dict, req: GenRequest) -> None:
+    """``grammar`` / ``json_schema`` / (chat) ``response_format`` -> req.grammar, req.json_schema."""
+    g = body.get("grammar")
+    if g is not None and not isinstance(g, str):
+        raise RequestError(f"'grammar' must be a string (GBNF), got {_typename(g)}", param="grammar")
+    schema = body.get("json_schema")
+    if schema is not None:
+        schema = _schema(schema, "json_schema")
+    if req.kind == "chat":
+        if schema is not None and g:
+            raise RequestError("Cannot use both json_schema and grammar", param="grammar")
+        rf = body.get("response_format")
+        if rf is not None:
+            if not isinstance(rf, dict):
+                raise RequestError(f"'response_format' must be an object, got {_typename(rf)}",
+                                   param="response_format")
+            rtype = rf.get("type") or ""
+            if not isinstance(rtype, str):
+                raise RequestError("'response_format.type' must be a string", param="response_format")
+            if rtype == "json_object":
+                if "schema" in rf or not schema:
+                    schema = _schema(rf.get("schema") or {}, "response_format.schema")
+            elif rtype == "json_schema":
+                wrapper = _schema(rf.get("json_schema") or {}, "response_format.json_schema")
+                schema = _schema(wrapper.get("schema") or {}, "response_format.json_schema.schema")
+            elif rtype != "text":
+                raise RequestError('response_format type must be one of "text" or "json_object", but got: '
+                                   + rtype, param="response_format")
+    elif g is not None:
+        schema = None          # /completion: "grammar" wins over "json_schema" (server-schema.cpp)
+    if schema is not None and not schema:
+        schema = {"type": "object"}   # an empty schema means any object
+    req.json_schema = schema
+    req.grammar = g or None
+
+
+def _probs(body: dict, req: GenRequest) -> None:
+    """chat ``logprobs`` + ``top_logprobs``; ``n_probs`` (alias ``logprobs`` off chat); ``post_sampling_probs``."""
+    n = None
+    if req.kind == "chat":
+        lp = body.get("logprobs")
+        if lp is not None and not isinstance(lp, bool):
+            raise RequestError(f"'logprobs' must be a boolean, got {_typename(lp)}", param="logprobs")
+        if lp:
+            n = _int_field(body, "top_logprobs")
+            n = N_PROBS_CHAT_DEFAULT if n is None else n
+            if n < 0:
+                raise RequestError(f"'top_logprobs' must be >= 0, got {n}", param="top_logprobs")
+        elif body.get("top_logprobs") is not None:
+            raise RequestError("top_logprobs requires logprobs to be set to true", param="top_logprobs")
+        if n is None:
+            n = _int_field(body, "n_probs")
+    else:
+        for name in ("n_probs", "logprobs"):
+            v = body.get(name)
+            if v is None:
+                continue
+            n = int(v) if isinstance(v, bool) else _int_field(body, name)   # llama-server reads true as 1
+            break
+    req.n_probs = max(0, n or 0)
+    req.post_sampling_probs = _bool(body, "post_sampling_probs")
+
+
+_INT_KEY = re.compile(r"\s*[+-]?\d+")   # what strtol reads whole: a token id, else text to tokenize
+
+
+def _bias_value(v: Any, where: str) -> float:
+    if v is False:
+        return float("-inf")
+    if not _is(v, (int, float)):
+        raise RequestError(f"logit_bias{where}: the bias must be a number, or false to ban the token, "
+                           f"got {_typename(v)}", param="logit_bias")
+    if not math.isfinite(v):
+        raise RequestError(f"logit_bias{where}: the bias must be finite (false bans the token)", param="logit_bias")
+    return float(v)
+
+
+def _logit_bias(body: dict) -> List[Tuple[Union[int, str], float]]:
+    lb = body.get("logit_bias")
+    if lb is None:
+        return []
+    out: List[Tuple[Union[int, str], float]] = []
+    if isinstance(lb, dict):
+        for k, v in lb.items():
+            out.append((int(k) if _INT_KEY.fullmatch(k) else k, _bias_value(v, f"[{k!r}]")))
+    elif isinstance(lb, list):
+        for i, el in enumerate(lb):
+            if not isinstance(el, list) or len(el) != 2:
+                raise RequestError(f"logit_bias[{i}] must be a [token, bias] pair", param="logit_bias")
+            tok, v = el
+            if not (_is(tok, int) or isinstance(tok, str)):
+                raise RequestError(f"logit_bias[{i}][0] must be a token id or a string, got {_typename(tok)}",
+                                   param="logit_bias")
+            out.append((tok, _bias_value(v, f"[{i}]")))
+    else:
+        raise RequestError(f"'logit_bias' must be an object or an array of [token, bias] pairs, got {_typename(lb)}",
+                           param="logit_bias")
+    return out
+
+
+def resolve_logit_bias(entries: Sequence[Tuple[Union[int, str], float]], tokenize: Callable[[str], List[int]],
+                       n_vocab: int) -> Optional[Dict[int, float]]:
+    """token id -> bias: text keys become their tokens (``tokenize``: no BOS, no special parsing,
+    as llama-server's ``common_tokenize(vocab, text, false)``), ids outside ``0..n_vocab-1`` are
+    dropped; biases given twice for one token add up (llama.cpp applies each entry).  None: empty."""
+    out: Dict[int, float] = {}
+    for key, bias in entries:
+        for t in ([key] if isinstance(key, int) else tokenize(key)):
+            if 0 <= t < n_vocab:
+                out[t] = out.get(t, 0.0) + bias
+    return out or None
+
+
+def tokenize_mixed(prompt: Union[str, Sequence[Union[int, str]]], tokenize: Callable[[str, bool], List[int]],
+                   add_special: bool) -> List[int]:
+    """llama-server's ``tokenize_mixed``: text pieces tokenized (``add_special`` only for a text
+    piece that comes first), token ids kept as they are.  ``tokenize(text, add_special)``."""
+    if isinstance(prompt, str):
+        return list(tokenize(prompt, add_special))
+    out: List[int] = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            out.extend(tokenize(p, add_special and i == 0))
+        else:
+            out.append(int(p))
+    return out
+
+
+def grammar_text(req: GenRequest) -> Optional[str]:
+    """The GBNF a request constrains its output with (its JSON schema converted), or None."""
+    if req.json_schema is not None:
+        from pyllama_dspark.spec import grammar as gmod
+
+        if req.json_schema == {"type": "object"}:
+            return gmod.JSON_OBJECT_GBNF
+        try:
+            return gmod.schema_to_gbnf(req.json_schema)
+        except (ValueError, TypeError, KeyError, RecursionError) as e:   # GrammarError is a ValueError
+            raise RequestError(f'"json_schema": {e}', param="json_schema") from e
+    return req.grammar or None
+
+
+def check_grammar(gbnf: str, target: Any) -> None:
+    """Compile ``gbnf`` against the target's vocabulary once (RequestError with llama.cpp's parser
+    message when it does not compile), then free it: the engine compiles its own per request."""
+    from pyllama_dspark.spec.grammar import Grammar
+
+    try:
+        g = Grammar.compile(gbnf, target)
+    except ValueError as e:   # GrammarError
+        raise RequestError(f"Failed to initialize samplers: {e}", param="grammar") from e
+    g.close()
+
+
 def parse_request(body: Any, kind: str) -> GenRequest:
-    """Check a decoded JSON body for ``kind`` = "chat" or "completion"; raise RequestError."""
-    if kind not in ("chat", "completion"):
-        raise ValueError(f"kind must be 'chat' or 'completion', got {kind!r}")
+    """Check a decoded JSON body for ``kind`` = "chat", "completion" or "native"; raise RequestError."""
+    if kind not in ("chat", "completion", "native"):
+        raise ValueError(f"kind must be 'chat', 'completion' or 'native', got {kind!r}")
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {_typename(body)}")
     req = GenRequest(kind=kind)
@@ -171,8 +362,15 @@ def parse_request(body: Any, kind: str) -> GenRequest:
         req.messages = _messages(body)
     else:
         req.prompt = _prompt(body)
+    if kind == "completion":
+        if body.get("echo"):
+            raise RequestError("Only no echo is supported", param="echo")
+        for name in ("best_of", "suffix"):
+            if name in body:
+                raise RequestError(f"Unsupported param: {name}", param=name)
 
-    n_given = [k for k in ("max_tokens", "max_completion_tokens", "n_predict") if body.get(k) is not None]
+    # llama-server's lookup order: n_predict, then its aliases
+    n_given = [k for k in ("n_predict", "max_completion_tokens", "max_tokens") if body.get(k) is not None]
     if n_given:
         n = _int_field(body, n_given[0])
         if n < -1 or n == 0:
@@ -186,6 +384,10 @@ def parse_request(body: Any, kind: str) -> GenRequest:
     req.stop = _stop(body)
     req.stream = _bool(body, "stream")
     req.ignore_eos = _bool(body, "ignore_eos")
+    req.cache_prompt = _bool(body, "cache_prompt", True)
+    req.return_tokens = _bool(body, "return_tokens")
+    id_slot = _int_field(body, "id_slot")
+    req.id_slot = -1 if id_slot is None else id_slot
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
@@ -210,5 +412,9 @@ def parse_request(body: Any, kind: str) -> GenRequest:
             raise RequestError(f"'{name}' must be >= {lo}, got {v}", param=name)
         if hi is not None and v > hi:
             raise RequestError(f"'{name}' must be <= {hi}, got {v}", param=name)
-        req.sampling[name] = v
+        req.sampling[_SAMPLING_NAMES.get(name, name)] = v
+
+    _constraints(body, req)
+    _probs(body, req)
+    req.logit_bias = _logit_bias(body)
     return req

@@ -1,9 +1,16 @@
 """OpenAI-compatible HTTP front end (FastAPI + uvicorn + sse-starlette) over a :class:`SlotPool`.
 
-Endpoints as llama-server serves them: ``POST /v1/chat/completions``, ``POST /v1/completions``
-(both also without ``/v1``; ``"stream": true`` sends server-sent events ending with
-``data: [DONE]``), ``GET /v1/models`` (and ``/models``), ``GET /health`` (and ``/v1/health``).
-Every non-streaming response and the last stream chunk carry llama-server's ``timings`` object.
+Endpoints as llama-server routes them: ``POST /v1/chat/completions`` (and ``/chat/completions``),
+``POST /v1/completions`` (OpenAI; ``"stream": true`` sends server-sent events ending with
+``data: [DONE]``), ``POST /completion`` and ``/completions`` (llama-server's native form,
+:mod:`.native`), ``POST /tokenize``, ``/detokenize``, ``/apply-template``, ``GET /props``,
+``/slots``, ``/metrics`` (with ``config.metrics``; :mod:`.routes_misc`), ``GET /v1/models`` (and
+``/models``), ``GET /health`` (and ``/v1/health``).  Every non-streaming response and the last
+stream chunk carry llama-server's ``timings`` object; ``usage`` carries
+``prompt_tokens_details.cached_tokens``; with ``logprobs`` / ``n_probs`` the token probabilities
+are laid out as llama-server lays them out (:func:`.openai_format.probs_json`).  Request fields:
+:mod:`.oai_request` (grammar / JSON schema, logit bias, probabilities, ``cache_prompt`` ... are
+checked there and go on the :class:`~.slots.Job`).
 
 Errors are OpenAI-style bodies ``{"error": {"code", "message", "type"}}``: bad JSON / wrong types
 -> 400 ``invalid_request_error``, a prompt that does not fit the context -> 400
@@ -31,7 +38,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pyllama_dspark.serve import openai_format as fmt
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.errors import ContextOverflowError
-from pyllama_dspark.serve.oai_request import GenRequest, RequestError, parse_request
+from pyllama_dspark.serve.metrics import ServerMetrics
+from pyllama_dspark.serve.native import add_native_routes
+from pyllama_dspark.serve.oai_request import (GenRequest, RequestError, check_grammar, grammar_text, parse_request,
+                                              resolve_logit_bias, tokenize_mixed)
+from pyllama_dspark.serve.routes_misc import add_misc_routes
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
 from pyllama_dspark.decode.timings import llama_timings
 from pyllama_dspark.spec.sampling_params import SamplingParams
@@ -60,6 +71,8 @@ class ServerConfig:
     api_key: Optional[str] = None
     sampling_defaults: Dict[str, Any] = field(default_factory=lambda: dict(LLAMA_SERVER_SAMPLING))
     model_meta: Dict[str, Any] = field(default_factory=dict)
+    metrics: bool = False                  # `serve --metrics`: GET /metrics answers (else 501, as llama-server)
+    model_path: Optional[str] = None       # /props "model_path" (default: model_id)
 
 
 def sampling_for(req: GenRequest, defaults: Dict[str, Any]):
@@ -97,12 +110,12 @@ def prepare_prompt(pool: SlotPool, req: GenRequest) -> Tuple[List[int], List[str
         tokens, stop = list(cp.tokens), stop + list(cp.stop)
     elif isinstance(req.prompt, str):
         tokens = sp.tokenize(req.prompt)
-    else:
+    else:   # token ids, or llama-server's mix of text pieces and ids
         n_vocab = sp.target.n_vocab
-        bad = [t for t in req.prompt if t < 0 or t >= n_vocab]
+        bad = [t for t in req.prompt if not isinstance(t, str) and (t < 0 or t >= n_vocab)]
         if bad:
             raise RequestError(f"prompt token ids must be in 0..{n_vocab - 1}, got {bad[:5]}", param="prompt")
-        tokens = list(req.prompt)
+        tokens = tokenize_mixed(req.prompt, lambda text, add: sp.target.tokenize(text, add, True), True)
     if not tokens:
         raise RequestError("the prompt is empty after tokenization", param="prompt")
     n_ctx = pool.n_ctx
@@ -110,6 +123,24 @@ def prepare_prompt(pool: SlotPool, req: GenRequest) -> Tuple[List[int], List[str
         raise RequestError(f"request ({len(tokens)} tokens) exceeds the available context size ({n_ctx} tokens), "
                            f"try increasing it", type="exceed_context_size_error", code=400)
     return tokens, stop
+
+
+
+def engine_constraints(pool: SlotPool, req: GenRequest) -> Tuple[Optional[str], Optional[Dict[int, float]]]:
+    """The request's grammar (GBNF, checked: it compiles against the target) and its logit bias
+    (token id -> bias); RequestError when they cannot be served."""
+    target = pool.front.target
+    try:
+        gbnf = grammar_text(req)
+        if gbnf is not None:
+            check_grammar(gbnf, target)
+    except ImportError as e:
+        raise RequestError(f"grammar constraints are not available in this build: {e}", type="not_supported_error",
+                           code=501, param="grammar") from e
+    bias = None
+    if req.logit_bias:
+        bias = resolve_logit_bias(req.logit_bias, lambda text: target.tokenize(text, False, False), target.n_vocab)
+    return gbnf, bias
 
 
 def _error_response(e: RequestError) -> JSONResponse:
@@ -122,35 +153,20 @@ def _engine_error(e: BaseException) -> RequestError:
     return RequestError(f"generation failed: {e}", type="server_error", code=500)
 
 
-def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        # the server is stopping: cancel what is still queued or running and free the contexts
-        # (waits for a close already under way, e.g. started by the signal handler of `serve`)
-        await run_in_threadpool(pool.close)
+class Serving:
+    """What the routes share (here, :mod:`.native`, :mod:`.routes_misc`): the pool, the config, the
+    metrics, the API-key check, body decoding, starting a job and waiting for its end, and token
+    probabilities laid out as llama-server lays them out."""
 
-    app = FastAPI(title="pyllama-dspark", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.pool = pool
-    app.state.config = config
+    def __init__(self, pool: SlotPool, config: ServerConfig):
+        self.pool = pool
+        self.config = config
+        self.metrics = ServerMetrics(pool)
+        self._pieces: Dict[int, bytes] = {}
+        self.engine_error = _engine_error
 
-    # ---- errors --------------------------------------------------------------------------------
-    @app.exception_handler(RequestError)
-    async def _on_request_error(request: Request, e: RequestError):
-        return _error_response(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http_error(request: Request, e: StarletteHTTPException):
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
-        return JSONResponse(fmt.error_body(str(e.detail), kind, e.status_code), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _on_error(request: Request, e: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(fmt.error_body(f"internal error: {e}", "server_error", 500), status_code=500)
-
-    def _auth(request: Request) -> None:
-        key = config.api_key
+    def auth(self, request: Request) -> None:
+        key = self.config.api_key
         if not key:
             return
         given = request.headers.get("authorization") or request.headers.get("x-api-key") or ""
@@ -160,7 +176,7 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
             log.warning("unauthorized: Invalid API Key")
             raise RequestError("Invalid API Key", type="authentication_error", code=401)
 
-    async def _body(request: Request) -> Any:
+    async def body(self, request: Request) -> Any:
         raw = await request.body()
         if not raw.strip():
             raise RequestError("the request body is empty; expected a JSON object")
@@ -169,44 +185,65 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(f"invalid JSON in the request body: {e}") from e
 
-    # ---- simple endpoints ----------------------------------------------------------------------
-    @app.get("/health")
-    @app.get("/v1/health")
-    async def health():
-        return {"status": "ok", "slots_idle": pool.n_slots - pool.n_busy, "slots_processing": pool.n_busy}
+    # ---- token probabilities -------------------------------------------------------------------
+    def piece(self, token: int) -> bytes:
+        """A token's text as generation emits it (special tokens not rendered), cached."""
+        p = self._pieces.get(token)
+        if p is None:
+            p = self._pieces[token] = bytes(self.pool.front.target.token_to_piece(int(token), False))
+        return p
 
-    @app.get("/v1/models")
-    @app.get("/models")
-    async def models(request: Request):
-        _auth(request)
-        return fmt.models_list(config.model_id, config.model_meta)
+    def probs(self, probs: Optional[list], req: GenRequest) -> List[dict]:
+        return fmt.probs_json(probs, self.piece, req.post_sampling_probs)
+
+    def final_probs(self, done: Done, req: GenRequest) -> List[dict]:
+        """A finished request's probabilities; after a stop string, without as many tokens as the
+        stop string has (llama-server's ``send_final_response``)."""
+        probs = list(done.probs or [])
+        if done.stop_word and probs:
+            n = len(self.pool.front.target.tokenize(done.stop_word, False, False))
+            probs = probs[:len(probs) - min(len(probs), n)]
+        return self.probs(probs, req)
+
+    def sampling_values(self, req: GenRequest) -> Dict[str, Any]:
+        vals = dict(self.config.sampling_defaults)
+        vals.update(req.sampling)
+        return vals
 
     # ---- generation ----------------------------------------------------------------------------
-    async def _start(request: Request, kind: str):
-        _auth(request)
-        req = parse_request(await _body(request), kind)
-        sampling = sampling_for(req, config.sampling_defaults)
+    async def start(self, request: Request, kind: str):
+        """Parse and check a generation request, submit its Job; (request, job, event queue)."""
+        self.auth(request)
+        req = parse_request(await self.body(request), kind)
+        sampling = sampling_for(req, self.config.sampling_defaults)
+        pool = self.pool
         tokens, stop = await run_in_threadpool(prepare_prompt, pool, req)
+        gbnf, bias = await run_in_threadpool(engine_constraints, pool, req)
         max_tokens = req.max_tokens if req.max_tokens > 0 else pool.n_ctx
         loop = asyncio.get_running_loop()
         events: "asyncio.Queue[Any]" = asyncio.Queue()
+        metrics = self.metrics
 
-        def on_event(ev: Any) -> None:
+        def on_event(ev: Any) -> None:   # from the worker thread
+            if isinstance(ev, Done):
+                try:
+                    metrics.observe(ev.stats)
+                except Exception as e:   # never lose the event over a metric
+                    log.warning("metrics: %s", e)
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        job = Job(tokens, max_tokens, on_event, stop=stop, sampling=sampling, ignore_eos=req.ignore_eos)
+        job = Job(tokens, max_tokens, on_event, stop=stop, sampling=sampling, ignore_eos=req.ignore_eos,
+                  grammar=gbnf, logit_bias=bias, n_probs=min(req.n_probs, int(pool.front.target.n_vocab)),
+                  post_sampling_probs=req.post_sampling_probs, cache_prompt=req.cache_prompt)
         try:
             pool.submit(job)
         except RuntimeError as e:   # the pool is closed: the server is shutting down
             raise RequestError(f"the server is shutting down ({e})", type="unavailable_error", code=503) from e
         return req, job, events
 
-    async def _complete(request: Request, kind: str):
-        req, job, events = await _start(request, kind)
+    async def wait_done(self, request: Request, job: Job, events: "asyncio.Queue[Any]"):
+        """The job's Done (non-streaming), or a 499 response when the client went away."""
         loop_time = asyncio.get_running_loop().time
-        model = req.model or config.model_id
-        if req.stream:
-            return EventSourceResponse(_stream(req, job, events, kind, model), sep="\n", ping=15)
         try:
             next_poll = loop_time() + _DISCONNECT_POLL_S
             while True:
@@ -226,32 +263,88 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
                 if ev is None:
                     continue
                 if isinstance(ev, Done):
-                    break
+                    return ev
                 if isinstance(ev, Cancelled):
                     raise RequestError("the request was cancelled", type="unavailable_error", code=503)
                 if isinstance(ev, BaseException):
                     raise _engine_error(ev)
         finally:
             job.cancel()  # no-op once finished; stops the generation if this handler is cancelled
-        t = llama_timings(ev.stats)
-        cid = fmt.new_id(kind)
-        n_prompt, n_gen = ev.stats.n_prompt, ev.stats.n_generated
-        if kind == "chat":
-            return fmt.chat_completion(cid, model, ev.text, ev.finish_reason, n_prompt, n_gen, t)
-        return fmt.text_completion(cid, model, ev.text, ev.finish_reason, n_prompt, n_gen, t)
+
+
+def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # the server is stopping: cancel what is still queued or running and free the contexts
+        # (waits for a close already under way, e.g. started by the signal handler of `serve`)
+        await run_in_threadpool(pool.close)
+
+    app = FastAPI(title="pyllama-dspark", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    srv = Serving(pool, config)
+    app.state.pool = pool
+    app.state.config = config
+    app.state.serving = srv
+
+    # ---- errors --------------------------------------------------------------------------------
+    @app.exception_handler(RequestError)
+    async def _on_request_error(request: Request, e: RequestError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request: Request, e: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return JSONResponse(fmt.error_body(str(e.detail), kind, e.status_code), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _on_error(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(fmt.error_body(f"internal error: {e}", "server_error", 500), status_code=500)
+
+    # ---- simple endpoints ----------------------------------------------------------------------
+    @app.get("/health")
+    @app.get("/v1/health")
+    async def health():
+        return {"status": "ok", "slots_idle": pool.n_slots - pool.n_busy, "slots_processing": pool.n_busy}
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models(request: Request):
+        srv.auth(request)
+        return fmt.models_list(config.model_id, config.model_meta)
+
+    add_misc_routes(app, srv)
+    add_native_routes(app, srv)
+
+    # ---- OpenAI generation ---------------------------------------------------------------------
+    async def _complete(request: Request, kind: str):
+        req, job, events = await srv.start(request, kind)
+        model = req.model or config.model_id
+        if req.stream:
+            return EventSourceResponse(_stream(req, job, events, kind, model), sep="\n", ping=15)
+        ev = await srv.wait_done(request, job, events)
+        if not isinstance(ev, Done):
+            return ev
+        st = ev.stats
+        lp = srv.final_probs(ev, req) if job.n_probs > 0 else None
+        build = fmt.chat_completion if kind == "chat" else fmt.text_completion
+        return build(fmt.new_id(kind), model, ev.text, ev.finish_reason, st.n_prompt, st.n_generated,
+                     llama_timings(st), n_cached=st.n_cached, logprobs=lp)
 
     async def _stream(req: GenRequest, job: Job, events: "asyncio.Queue[Any]", kind: str, model: str):
         cid, created = fmt.new_id(kind), int(time.time())
 
-        def chunk(text: Optional[str] = None, finish: Optional[str] = None, timings=None, role: bool = False):
+        def chunk(text: Optional[str] = None, finish: Optional[str] = None, timings=None, role: bool = False,
+                  probs: Optional[list] = None):
+            lp = srv.probs(probs, req) if probs and job.n_probs > 0 else None
             if kind == "chat":
                 delta: Dict[str, Any] = {}
                 if role:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                return json.dumps(fmt.chat_chunk(cid, model, created, delta, finish, timings))
-            return json.dumps(fmt.text_chunk(cid, model, created, text or "", finish, timings))
+                return json.dumps(fmt.chat_chunk(cid, model, created, delta, finish, timings, logprobs=lp))
+            return json.dumps(fmt.text_chunk(cid, model, created, text or "", finish, timings, logprobs=lp))
 
         try:
             if kind == "chat":
@@ -259,14 +352,15 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
             while True:
                 ev = await events.get()
                 if isinstance(ev, Chunk):
-                    if ev.text:
-                        yield {"data": chunk(ev.text)}
+                    if ev.text or (ev.probs and job.n_probs > 0):
+                        yield {"data": chunk(ev.text, probs=ev.probs)}
                 elif isinstance(ev, Done):
-                    t = llama_timings(ev.stats)
+                    st = ev.stats
+                    t = llama_timings(st)
                     if req.include_usage:
                         yield {"data": chunk(finish=ev.finish_reason)}
-                        yield {"data": json.dumps(fmt.usage_chunk(kind, cid, model, created, ev.stats.n_prompt,
-                                                                  ev.stats.n_generated, t))}
+                        yield {"data": json.dumps(fmt.usage_chunk(kind, cid, model, created, st.n_prompt,
+                                                                  st.n_generated, t, n_cached=st.n_cached))}
                     else:
                         yield {"data": chunk(finish=ev.finish_reason, timings=t)}
                     yield {"data": "[DONE]"}
@@ -287,7 +381,6 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
         return await _complete(request, "chat")
 
     @app.post("/v1/completions")
-    @app.post("/completions")
     async def completions(request: Request):
         return await _complete(request, "completion")
 
