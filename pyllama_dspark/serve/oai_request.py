@@ -6,9 +6,9 @@ Pure Python, no HTTP: the server calls :func:`parse_request` on the decoded JSON
 
 Kinds: ``"chat"`` (``/v1/chat/completions``), ``"completion"`` (``/v1/completions``) and
 ``"native"`` (llama-server's own ``/completion``).  Fields: ``messages`` (chat) / ``prompt`` (a
-string, token ids, a mix of both, or a one-element list of strings), ``n_predict`` (aliases
-``max_completion_tokens``, ``max_tokens``, looked up in that order as llama-server does; -1 =
-until the context is full), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``,
+string, token ids, a one-element list of strings, and on native a mix of text and ids),
+``n_predict`` (aliases ``max_completion_tokens``, ``max_tokens``, looked up in that order as
+llama-server does; -1 = until the context is full), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``,
 ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``, ``stop``
 (string or list), ``stream``, ``stream_options.include_usage``, ``ignore_eos``, ``n`` (must be 1),
 ``model`` (echoed only), ``cache_prompt`` (default true), ``return_tokens``, ``id_slot`` (checked,
@@ -149,7 +149,7 @@ def _messages(body: dict) -> List[Dict[str, str]]:
     return out
 
 
-def _prompt(body: dict) -> Union[str, List[int]]:
+def _prompt(body: dict, mixed: bool = False) -> Union[str, List[Union[int, str]]]:
     p = body.get("prompt")
     if p is None:
         raise RequestError("'prompt' is required", param="prompt")
@@ -165,7 +165,7 @@ def _prompt(body: dict) -> Union[str, List[int]]:
         if all(isinstance(t, str) for t in p):
             raise RequestError("several prompts in one request are not supported; send one prompt per request",
                                param="prompt")
-        if all(isinstance(t, str) or _is(t, int) for t in p):
+        if mixed and all(isinstance(t, str) or _is(t, int) for t in p):
             return list(p)     # llama-server's mixed prompt: text pieces and token ids, in order
         raise RequestError("'prompt' must be a string or an array of token ids", param="prompt")
     raise RequestError(f"'prompt' must be a string or an array of token ids, got {_typename(p)}", param="prompt")
@@ -222,7 +222,7 @@ def _constraints(body: dict, req: GenRequest) -> None:
             elif rtype == "json_schema":
                 wrapper = _schema(rf.get("json_schema") or {}, "response_format.json_schema")
                 schema = _schema(wrapper.get("schema") or {}, "response_format.json_schema.schema")
-            elif rtype != "text":
+            elif rtype not in ("", "text"):
                 raise RequestError('response_format type must be one of "text" or "json_object", but got: '
                                    + rtype, param="response_format")
     elif g is not None:
@@ -361,7 +361,7 @@ def parse_request(body: Any, kind: str) -> GenRequest:
     if kind == "chat":
         req.messages = _messages(body)
     else:
-        req.prompt = _prompt(body)
+        req.prompt = _prompt(body, mixed=kind == "native")
     if kind == "completion":
         if body.get("echo"):
             raise RequestError("Only no echo is supported", param="echo")

@@ -158,12 +158,13 @@ class Serving:
     metrics, the API-key check, body decoding, starting a job and waiting for its end, and token
     probabilities laid out as llama-server lays them out."""
 
+    engine_error = staticmethod(_engine_error)
+
     def __init__(self, pool: SlotPool, config: ServerConfig):
         self.pool = pool
         self.config = config
         self.metrics = ServerMetrics(pool)
         self._pieces: Dict[int, bytes] = {}
-        self.engine_error = _engine_error
 
     def auth(self, request: Request) -> None:
         key = self.config.api_key

@@ -1,0 +1,184 @@
+"""The prompt cache of ``serve`` (llama-server's ``cache_prompt``) under speculation.
+
+References: llama-cpp-python's ``Llama`` greedy chat on the same message list (a fresh prefill),
+and the same request with ``cache_prompt: false``.  A cached prefix was decoded in other batch
+shapes than a fresh prefill, so its logits differ in the last bits: a divergence is accepted only
+as a measured near-tie (the reference's top-2 gap below TIE_EPS at the first differing token, and
+the reply taking the runner-up), counted and reported; anything else fails.  The draft's memory
+after a cache hit is checked against a fresh prefill's directly (its block logits).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+from greedy_ref import check_near_tie_text
+from serve_helpers import ServeProcess
+
+from pyllama_dspark.paths import default_draft
+
+TIE_EPS = 0.25      # CPU logits move with batch shape by up to ~0.3 (test_serve, README Tests)
+N_TOK = 24
+TURNS = ["Name three fruits.", "Which of them is the sweetest?", "Write one sentence about it.",
+         "Now say it in French."]
+OTHER = ["What is 7 times 8?", "And 9 times 9?", "Add the two results."]
+
+
+def _chat(srv, msgs, **kw):
+    body = {"messages": msgs, "max_tokens": N_TOK, "temperature": 0, **kw}
+    r = srv.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _reply(out):
+    return out["choices"][0]["message"]["content"]
+
+
+def _check_turn(refs, msgs, out, label, excused):
+    got = _reply(out)
+    ref = refs.chat(msgs, N_TOK)["choices"][0]["message"]["content"]
+    if got != ref:
+        why = check_near_tie_text(refs, refs.chat_tokens(msgs), N_TOK, got, TIE_EPS, prefix_ok=False)
+        excused.append(f"{label}: {why}")
+
+
+def _converse(srv, turns, label, fresh_check=True):
+    """A conversation with the server (its own replies become the history); returns the records
+    (label, messages, response) to check against the references afterwards."""
+    msgs, prev_prompt, records = [], 0, []
+    for k, text in enumerate(turns):
+        msgs.append({"role": "user", "content": text})
+        out = _chat(srv, msgs)
+        t = out["timings"]
+        assert t["prompt_n"] + t["cache_n"] == out["usage"]["prompt_tokens"]
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == t["cache_n"]
+        if k:
+            # the previous turn's prompt (and the reply after it) came from the cache
+            assert t["cache_n"] >= prev_prompt, (label, k, t, prev_prompt)
+        records.append((f"{label} turn {k + 1}", list(msgs), out))
+        if fresh_check:
+            fresh = _chat(srv, msgs, cache_prompt=False)
+            assert fresh["timings"]["cache_n"] == 0
+            records.append((f"{label} turn {k + 1} (cache_prompt false)", list(msgs), fresh))
+        prev_prompt = out["usage"]["prompt_tokens"]
+        msgs.append({"role": "assistant", "content": _reply(out)})
+    return records
+
+
+def _check_records(refs, records, excused):
+    for label, msgs, out in records:
+        _check_turn(refs, msgs, out, label, excused)
+
+
+def _report(excused, what):
+    if excused:
+        msg = f"{what}: {len(excused)} reply(ies) excused as numerical near-ties:\n  " + "\n  ".join(excused)
+        print("\n" + msg)
+        warnings.warn(msg)
+
+
+@pytest.mark.parametrize("schedule", ["off", "auto"])
+def test_multi_turn_chat_reuses_the_cache_and_stays_greedy(target_path, llama_refs, tmp_path, schedule):
+    """4 turns on one slot, drafting forced (every turn drafts) and with the default schedule."""
+    srv = ServeProcess(target_path, default_draft(), tmp_path / "cache.log", n_slots=1, n_ctx=2048,
+                       extra=["--schedule", schedule])
+    try:
+        records = _converse(srv, TURNS if schedule == "off" else TURNS[:2], f"np1 {schedule}")
+    finally:
+        srv.stop()
+    if schedule == "off":
+        assert all(out["timings"]["draft_n"] > 0 for _, _, out in records), "drafting was forced"
+    excused: list = []
+    _check_records(llama_refs, records, excused)
+    _report(excused, "multi-turn chat")
+    assert len(excused) <= 2, excused
+
+
+@pytest.mark.parametrize("mode", ["batched", "no-cont-batching"])
+def test_two_interleaved_conversations_each_keep_their_slot(target_path, llama_refs, tmp_path, mode):
+    extra = ["--schedule", "off"] + (["-nocb"] if mode == "no-cont-batching" else [])
+    srv = ServeProcess(target_path, default_draft(), tmp_path / "cache2.log", n_slots=2, n_ctx=2048, extra=extra)
+    results, errors = {}, []
+
+    def run(name, turns):
+        try:
+            results[name] = _converse(srv, turns, f"{mode} {name}", fresh_check=False)
+        except BaseException as e:   # reported below
+            errors.append(e)
+
+    try:
+        th = [threading.Thread(target=run, args=("a", TURNS[:3])), threading.Thread(target=run, args=("b", OTHER))]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(300)
+        assert not errors, errors
+        slots = srv.get("/slots").json()
+        assert len(slots) == 2
+    finally:
+        srv.stop()
+    excused: list = []
+    for name in ("a", "b"):
+        _check_records(llama_refs, results[name], excused)
+    _report(excused, "interleaved conversations")
+    assert len(excused) <= 2, excused
+
+
+def test_draft_memory_after_a_cache_hit_holds_a_fresh_prefills_features(target_path):
+    """llama.cpp #27342: after a reused prefix the draft must hold the features a full prefill
+    injects.  The draft's block logits after reuse equal those after a fresh prefill within the
+    batch-shape rounding; dropping the suffix's features (the bug) moves them far beyond it."""
+    from pyllama_dspark.decode.api import Speculator
+
+    with Speculator(target_path, default_draft(), n_ctx=2048, schedule="off") as sp:
+        cp = sp.chat_prompt([{"role": "user", "content": TURNS[0]}])
+        first = sp.generate(cp.tokens, 16, stop=cp.stop, reuse_prefix=True)
+        longer = list(cp.tokens) + list(first.tokens[:-1]) + sp.tokenize("\nThanks. One more?", add_special=False)
+        loop, prop = sp.decoder.loop, sp.proposer
+
+        def block_after_prefill(reuse, drop_suffix_features=False):
+            rid = loop.submit(longer, 1, reuse_prefix=reuse)
+            if drop_suffix_features:   # the bug: the draft never gets the suffix's real features
+                real = prop.observe
+
+                def zero_features(row0, n, pos0, seq_id=0):
+                    f = prop.draft.target.features(row0, n)
+                    prop.draft.inject(np.zeros_like(f), np.arange(pos0, pos0 + n, dtype=np.int32), seq_id)
+                prop.observe = zero_features
+            try:
+                while loop.pending():
+                    loop.step()
+            finally:
+                if drop_suffix_features:
+                    prop.observe = real
+            done = [ev for r, ev in loop.poll() if r == rid][-1]
+            p = prop.propose(done.tokens[0], len(longer), prop.max_draft())
+            rows = np.stack([prop.draft.logits(i) for i in range(prop.max_draft())])
+            return done.stats.n_cached, p.tokens, rows
+
+        n_hit, toks_hit, rows_hit = block_after_prefill(True)
+        sp.decoder.forget()
+        n_fresh, toks_fresh, rows_fresh = block_after_prefill(False)
+        assert n_hit >= len(cp.tokens) and n_fresh == 0
+        # the same prefill twice from scratch: the rounding floor of this check
+        sp.decoder.forget()
+        _, _, rows_again = block_after_prefill(False)
+        sp.decoder.forget()
+        sp.generate(cp.tokens, 16, stop=cp.stop, reuse_prefix=True)
+        _, _, rows_bug = block_after_prefill(True, drop_suffix_features=True)
+    fin = np.isfinite(rows_fresh)   # a reduced-vocabulary draft: -inf outside its vocabulary
+    assert np.array_equal(fin, np.isfinite(rows_hit))
+
+    def gap(rows):
+        return float(np.abs(rows[fin] - rows_fresh[fin]).max())
+    diff, bug = gap(rows_hit), gap(rows_bug)
+    print(f"\ndraft block logits, reuse vs fresh prefill: max |diff| {diff:.4f} "
+          f"(fresh vs fresh {gap(rows_again):.4f}; wrong suffix features {bug:.3f})")
+    assert diff < 0.25, diff
+    assert bug > 4 * max(diff, 0.05), (bug, diff)
+    assert np.array_equal(toks_hit, toks_fresh) or diff < 0.25
