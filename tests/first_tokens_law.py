@@ -30,14 +30,16 @@ def _row(llm) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
 
 
-def two_token_law(llm, prompt: Sequence[int], params: SamplingParams) -> Law:
+def two_token_law(llm, prompt: Sequence[int], params: SamplingParams, grammar: str = None) -> Law:
+    """``grammar``: GBNF; the law of constrained sampling (llama.cpp's grammar sampler first)."""
     prompt = [int(t) for t in prompt]
     v = llm.n_vocab()
     vocab = ll.llama_model_get_vocab(llm.model)
     llm.reset()
     llm.eval(prompt)
     n = llm.n_tokens
-    chain = LlamaChain(params, v, prompt)
+    g = (lambda gen: (vocab, grammar, gen)) if grammar is not None else (lambda gen: None)
+    chain = LlamaChain(params, v, prompt, grammar=g(()))
     p1 = chain.probs(_row(llm))
     chain.close()
     law: Law = {}
@@ -48,7 +50,7 @@ def two_token_law(llm, prompt: Sequence[int], params: SamplingParams) -> Law:
             continue
         llm.n_tokens = n
         llm.eval([t1])
-        chain = LlamaChain(params, v, prompt + [t1])
+        chain = LlamaChain(params, v, prompt + [t1], grammar=g((t1,)))
         p2 = chain.probs(_row(llm))
         chain.close()
         for t2 in np.flatnonzero(p2):

@@ -1,7 +1,9 @@
 """llama.cpp's own sampler chain through llama-cpp-python's bindings: the independent reference.
 
 ``LlamaChain(params, n_vocab, history)`` builds the chain common/sampling.cpp builds for these
-parameters (penalties -> top_k -> top_p -> min_p -> temperature [-> dist(seed)]).  ``probs(row)``
+parameters (penalties -> top_k -> top_p -> min_p -> temperature [-> dist(seed)]), with
+``grammar=(vocab, gbnf, generated)`` llama.cpp's grammar sampler first (constrained sampling, the
+grammar advanced over the ``generated`` tokens).  ``probs(row)``
 applies it (without dist) to a logits row and returns the distribution dist would sample from;
 ``sample(ctx, idx)`` samples with llama.cpp's dist sampler from a context's output row.
 """
@@ -22,10 +24,17 @@ assert _TOKEN_DATA.itemsize == ctypes.sizeof(ll.llama_token_data)
 
 class LlamaChain:
     def __init__(self, params: SamplingParams, n_vocab: int, history: Iterable[int] = (),
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, grammar=None):
         self.n_vocab = n_vocab
         self.chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         add = lambda s: ll.llama_sampler_chain_add(self.chain, s)
+        if grammar is not None:
+            vocab, gbnf, generated = grammar
+            g = ll.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
+            assert g, "the reference grammar does not parse"
+            for t in generated:
+                ll.llama_sampler_accept(g, int(t))
+            add(g)
         last_n = params.penalty_last_n if params.penalty_last_n >= 0 else 4096  # -1: "whole sequence" (short here)
         self.penalties = ll.llama_sampler_init_penalties(n_vocab, last_n, params.repeat_penalty,
                                                          params.frequency_penalty, params.presence_penalty)

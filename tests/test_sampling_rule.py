@@ -192,3 +192,29 @@ def test_deterministic_for_a_seed():
                 for _ in range(50)]
     assert run(3) == run(3)
     assert run(3) != run(4)
+
+
+def _cut_or_verify(rng, cut_rule: bool):
+    """One position drafted from Q1 under a constraint that forbids token 5 (P1[5] = 0): a draft
+    the target rejects for sure is cut before verification (the block is empty); ``cut_rule``
+    gives speculative_accept its q (``cut_q``), else the bonus comes from p as after a full block."""
+    x = sample_from(Q1, rng.random())
+    if P1[x] == 0.0:
+        _, out = speculative_accept(np.zeros(0, dtype=np.int64), [], [P1], rng.random,
+                                    cut_q=Q1 if cut_rule else None)
+    else:
+        _, out = speculative_accept(np.array([x]), [Q1], [P1, P1], rng.random)
+    return out[0]
+
+
+def test_a_block_cut_before_a_doomed_draft_still_emits_p():
+    """The grammar cut (spec/verify.py ``cut_q``): the emitted law stays p exactly; without the
+    residual rule at the cut (the bonus drawn from p) it moves by q(doomed) * (p - residual)."""
+    rng = np.random.default_rng(11)
+    n = 200_000
+    good = np.bincount([_cut_or_verify(rng, True) for _ in range(n)], minlength=6)
+    bad = np.bincount([_cut_or_verify(rng, False) for _ in range(n)], minlength=6)
+    pv, pv_bad = chi2_pvalue(good, P1), chi2_pvalue(bad, P1)
+    print(f"cut before a doomed draft: {n} draws, chi-square p = {pv:.4f}; without cut_q p = {pv_bad:.3g}")
+    assert pv > P_MIN
+    assert pv_bad < 1e-6

@@ -517,7 +517,8 @@ def vocab(target_path):
     llm.close()
 
 
-TEXTS = ["Hello world", "  two  spaces\nand a line", "h\u00e9llo \u4e16\u754c \U0001F600", "<|im_start|>user\nhi<|im_end|>", ""]
+TEXTS = ["Hello world", "  two  spaces\nand a line", "h\u00e9llo \u4e16\u754c \U0001F600",
+         "<|im_start|>user\nhi<|im_end|>", ""]
 
 
 def test_tokenize_matches_llama(srv, vocab):

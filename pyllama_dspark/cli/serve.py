@@ -143,8 +143,7 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
             "draft_kind": sp.proposer.name if draft else None, "n_max": sp.n_max if draft else 0,
             "n_slots": pool.n_slots, "cont_batching": bool(n_slots > 1 and cont_batching)}
     config = ServerConfig(model_id=alias or os.path.basename(target), api_key=api_key,
-                          sampling_defaults=defaults, model_meta=meta)
-    config.metrics = bool(metrics)
+                          sampling_defaults=defaults, model_meta=meta, metrics=bool(metrics), model_path=target)
     app = create_app(pool, config)
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding to %s: the server is reachable from other machines%s", host,

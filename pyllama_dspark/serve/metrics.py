@@ -149,7 +149,8 @@ class ServerMetrics:
             def collect(self):
                 for name, doc, key in _COUNTERS:
                     yield CounterMetricFamily("llamacpp:" + name, doc, value=counters[key])
-                yield GaugeMetricFamily("llamacpp:n_tokens_max", "Largest observed sequence length (prompt + generation)",
+                yield GaugeMetricFamily("llamacpp:n_tokens_max",
+                                        "Largest observed sequence length (prompt + generation)",
                                         value=gauges["n_tokens_max"])
                 for name, doc in _GAUGES:
                     yield GaugeMetricFamily("llamacpp:" + name, doc, value=gauges[name])
