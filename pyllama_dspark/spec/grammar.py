@@ -248,7 +248,10 @@ def schema_to_gbnf(schema) -> str:
         raise GrammarError("unsupported JSON schema: nested too deeply") from None
     except Exception as e:  # the converter asserts / raises on what it does not support
         raise GrammarError(f"unsupported JSON schema: {type(e).__name__}: {e}") from None
-    _, ptr = _compile_ptr(None, gbnf, "root")    # the parser alone needs no vocabulary
+    try:
+        _, ptr = _compile_ptr(None, gbnf, "root")    # the parser alone needs no vocabulary
+    except GrammarError as e:
+        raise GrammarError(f"unsupported JSON schema: its grammar is refused: {e}") from None
     ll.llama_sampler_free(ptr)
     return gbnf
 
@@ -442,7 +445,7 @@ class GrammarCursor(_Owned):
 
     def commit(self, tokens) -> None:
         """Tokens emitted, in order (EOG tokens are skipped: generation ends there);
-        :class:`GrammarError` at the first one the grammar rejects."""
+        :class:`GrammarError` at the first one the grammar rejects (those before it stay)."""
         self._drop_scratch()
         for t in tokens:
             t = int(t)
