@@ -83,8 +83,8 @@ class OurServer:
         self.log_path = log_dir / f"{name}.log"
         self.proc: Optional[subprocess.Popen] = None
 
-    def command(self) -> str:
-        return " ".join(self.cmd)
+    def command(self) -> List[str]:
+        return list(self.cmd)
 
     def start(self, timeout: float = 900.0) -> None:
         logf = open(self.log_path, "wb")
@@ -116,24 +116,18 @@ class OurServer:
                 self.proc.wait(timeout=30)
 
 
-class TheirServer:
-    """llama-server through :class:`LlamaServer` (its one-slot command line, then ``-np N``: the last wins)."""
+class TheirServer(LlamaServer):
+    """llama-server through :class:`LlamaServer`, with ``-np N`` in place of its one slot."""
 
     def __init__(self, name: str, binary: Path, target: str, *, n_slots: int, ctx: int, threads: int, log_dir: Path):
-        self.name = name
-        self.srv = LlamaServer(binary, target, None, ctx=ctx, threads=threads, n_batch=512, n_ubatch=512,
-                               flash_attn="auto", extra_args=["-np", str(n_slots)], port=_free_port(),
-                               log_path=log_dir / f"{name}.log", trace=False, startup_timeout=600.0)
-        self.url = self.srv.base_url
+        super().__init__(binary, target, None, ctx=ctx, threads=threads, n_batch=512, n_ubatch=512, flash_attn="auto",
+                         port=_free_port(), log_path=log_dir / f"{name}.log", trace=False, startup_timeout=600.0)
+        self.name, self.n_slots, self.url = name, n_slots, self.base_url
 
-    def command(self) -> str:
-        return " ".join(self.srv.command())
-
-    def start(self) -> None:
-        self.srv.start()
-
-    def stop(self) -> None:
-        self.srv.stop()
+    def command(self) -> List[str]:
+        cmd = super().command()
+        cmd[cmd.index("-np") + 1] = str(self.n_slots)
+        return cmd
 
 
 class Fleet:
@@ -150,11 +144,11 @@ class Fleet:
         a, kw = self.a, dict(ctx=self.a.ctx, threads=self.a.threads, log_dir=self.log_dir)
         side, np_, mode = key.split(":")
         if side == "llama":
-            self.servers[key] = TheirServer(key.replace(":", "-"), self.binary, a.target, n_slots=int(np_), **kw)
+            self.servers[key] = TheirServer(f"llama-server-np{np_}", self.binary, a.target, n_slots=int(np_), **kw)
         else:
             draft = None if mode == "nodraft" else a.draft
             sched = None if mode == "nodraft" else mode
-            self.servers[key] = OurServer(key.replace(":", "-"), a.target, n_slots=int(np_), draft=draft,
+            self.servers[key] = OurServer(f"ours-np{np_}-{mode}", a.target, n_slots=int(np_), draft=draft,
                                           schedule=sched, **kw)
 
     def __getitem__(self, key: str):
@@ -273,7 +267,7 @@ def order_for(keys: List[str], r: int) -> List[str]:
 def throughput(a, fleet: Fleet, out: dict) -> None:
     pool = prompt_pool(1500)
     rows = []
-    for np_, clients in ((1, 1), (a.clients, a.clients)):
+    for np_, clients in sorted({(1, 1), (a.clients, a.clients)}):
         sides = {"ours": fleet[f"ours:{np_}:nodraft"], "llama-server": fleet[f"llama:{np_}:-"]}
         rec = {s: {"tok_s": [], "requests": []} for s in sides}
         for r in range(a.rounds):
@@ -477,9 +471,9 @@ def main():
     print(f"target {a.target}\ndraft {a.draft}\n{a.threads} threads, -c {a.ctx}, sections {','.join(only)}, "
           f"{a.rounds} rounds; server logs in {log_dir}\nserver command lines:")
     for s in fleet.servers.values():
-        print(f"  [{s.name}] {s.command()}")
+        print(f"  [{s.name}] {' '.join(s.command())}")
     results: Dict[str, Any] = {"args": {k: v for k, v in vars(a).items()},
-                               "commands": {s.name: s.command() for s in fleet.servers.values()}, "errors": {}}
+                               "commands": {s.name: " ".join(s.command()) for s in fleet.servers.values()}, "errors": {}}
     run = {"throughput": throughput, "cache": cache, "json": json_section}
     try:
         for s in only:
