@@ -36,6 +36,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from pyllama_dspark.decode.cycle import Chunk, Done, OneHotRows, PieceCache, Started, TargetRows
+from pyllama_dspark.decode.prefill import prefill
 from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache
 from pyllama_dspark.decode.request import Request, grammar_cut, make_request, token_probs
 from pyllama_dspark.llama.handles import Draft, Target
@@ -190,6 +191,7 @@ class Decoder:
         return False
 
     def _admit(self) -> None:
+        new: List[Request] = []
         while self._queue and self._free:
             s = self._queue.popleft()
             if self.keep_memory:
@@ -197,57 +199,24 @@ class Decoder:
                 self._free.remove(s.seq_id)
             else:
                 s.seq_id = self._free.pop()
+            new.append(s)
             if self.streaming:
                 self._events.append((s.rid, Started(s.seq_id)))
             if hasattr(self._prop, "bind"):  # per-sequence proposers (e.g. one oracle per prompt)
                 self._prop.bind(s.seq_id, s.prompt)
-            try:
-                self._prefill(s)
-            except BaseException:
+        if not new:
+            return
+        try:
+            prefill(self, new)   # every new prompt, in shared decodes (.prefill)
+        except BaseException:
+            for s in new:
                 self._release(s, keep=False)
-                raise
+            raise
+        for s in new:
             if s.finish is None:
                 self._active.append(s)
             else:
                 self._finish(s)
-
-    # ---- prefill --------------------------------------------------------------------------------
-    def _prefill(self, s: Request) -> None:
-        tgt, prop, seq, toks = self.target, self._prop, s.seq_id, s.prompt
-        s.t_start = time.perf_counter()
-        start, row = self.cache.resume(tgt, prop, seq, toks) if s.reuse else (0, None)
-        if not s.reuse:
-            self.cache.forget(seq)
-        if row is None:
-            if start == 0:
-                tgt.seq_rm(seq, 0, -1)
-                if prop is not None:
-                    prop.reset(seq)
-            nb = tgt.n_batch
-            for c0 in range(start, toks.size, nb):
-                chunk = toks[c0:c0 + nb]
-                tgt.decode(chunk, c0, seq, all_outputs=False)
-                if prop is not None:
-                    prop.observe(0, len(chunk), c0, seq)
-            if self.keep_memory:
-                self.cache.prompt_row[seq] = (toks.copy(), tgt.logits_view(len(chunk) - 1).copy())
-            row = tgt.logits_view(len(chunk) - 1)
-            if s.smp is None:
-                tgt.argmax(len(chunk) - 1, 1, self._ids, self._margin)
-                s.anchor = int(self._ids[0])
-            else:
-                s.anchor = s.smp.sample(s.smp.probs(row))
-        else:
-            s.anchor = int(np.argmax(row)) if s.smp is None else s.smp.sample(s.smp.probs(row))
-        if s.n_probs:
-            s.pending_probs = token_probs(s, tgt, 0, [s.anchor], row=row)
-        if s.smp is not None:
-            s.smp.accept((s.anchor,))
-        s.stats.n_prompt = int(toks.size)
-        s.stats.n_cached = int(start)
-        s.stats.ms_prefill = (time.perf_counter() - s.t_start) * 1e3
-        s.pos0 = int(toks.size)
-        self._emit(s, [s.anchor])
 
     # ---- emitting and finishing -------------------------------------------------------------------
     def _emit(self, s: Request, toks: List[int]) -> None:
@@ -308,6 +277,9 @@ class Decoder:
     def step(self) -> None:
         self._admit()
         act = self._active
+        # rows in ascending sequence order: llama.cpp splits a multi-sequence batch per KV stream,
+        # and rows out of order cost it more ubatches (a 4-sequence step: 24 instead of 17 ms)
+        act.sort(key=lambda s: s.seq_id)
         if not act:
             return
         R = len(act)

@@ -225,7 +225,13 @@ class Serving:
         events: "asyncio.Queue[Any]" = asyncio.Queue()
         metrics = self.metrics
 
+        streaming = bool(req.stream)
+
         def on_event(ev: Any) -> None:   # from the worker thread
+            if not streaming and isinstance(ev, Chunk):
+                # a non-streaming reply needs only its Done: no event-loop wake-up per step (on a
+                # 2-core machine each one takes CPU from llama.cpp's threads)
+                return
             if isinstance(ev, Done):
                 try:
                     metrics.observe(ev.stats)

@@ -1,0 +1,94 @@
+"""Prefill: the prompts of the requests a step admits, decoded together.
+
+Each request first learns where its decode starts (the prompt cache, :mod:`.prompt_cache`: only what
+its slot's memories lack).  Then the remaining prompt tokens of all of them are packed, in order,
+into target decodes of at most ``n_batch`` rows -- several sequences per decode, as llama-server
+batches the prompts of its slots -- each decode's feature rows observed by the proposer per
+sequence.  A request's first token is picked from its last prompt row right after the decode that
+holds it.  One request alone is decoded exactly as before: its prompt in chunks of ``n_batch``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Sequence
+
+import numpy as np
+
+from pyllama_dspark.decode.request import Request, token_probs
+
+
+def prefill(dec, reqs: Sequence[Request]) -> None:
+    """Decode the prompts of ``reqs`` (admitted, slots assigned) and emit each one's first token
+    (``dec``: the :class:`~.loop.Decoder`)."""
+    tgt, prop, cache = dec.target, dec._prop, dec.cache
+    t0 = time.perf_counter()
+    todo: List[list] = []   # [request, next position to decode]
+    for s in sorted(reqs, key=lambda r: r.seq_id):   # rows in sequence order (see .loop's step)
+        s.t_start = t0
+        seq = s.seq_id
+        start, row = cache.resume(tgt, prop, seq, s.prompt) if s.reuse else (0, None)
+        if not s.reuse:
+            cache.forget(seq)
+        s.stats.n_cached = int(start)
+        if row is not None:   # the same prompt again: its row was kept, nothing to decode
+            _first_token(dec, s, row=row)
+            continue
+        if start == 0:
+            tgt.seq_rm(seq, 0, -1)
+            if prop is not None:
+                prop.reset(seq)
+        todo.append([s, start])
+    nb = tgt.n_batch
+    tok, pos, seqs = np.zeros(nb, dtype=np.int32), np.zeros(nb, dtype=np.int32), np.zeros(nb, dtype=np.int32)
+    outs = np.zeros(nb, dtype=np.int8)
+    while todo:
+        n, pieces = 0, []
+        for item in todo:
+            if n == nb:
+                break
+            s, c0 = item
+            k = min(s.prompt.size - c0, nb - n)
+            tok[n:n + k] = s.prompt[c0:c0 + k]
+            pos[n:n + k] = np.arange(c0, c0 + k, dtype=np.int32)
+            seqs[n:n + k] = s.seq_id
+            outs[n:n + k] = 0
+            done = c0 + k == s.prompt.size
+            if done:
+                outs[n + k - 1] = 1
+            pieces.append((item, n, k, done))
+            item[1] = c0 + k
+            n += k
+        tgt.decode_rows(tok[:n], pos[:n], seqs[:n], outs[:n])
+        for (s, c_end), row0, k, _ in pieces:
+            if prop is not None:
+                prop.observe(row0, k, c_end - k, s.seq_id)
+        for (s, _), row0, k, done in pieces:
+            if done:
+                _first_token(dec, s, idx=row0 + k - 1)
+        todo = [p[0] for p in pieces if not p[3]] + todo[len(pieces):]
+
+
+def _first_token(dec, s: Request, idx: int = -1, row=None) -> None:
+    """The request's first token from its last prompt row (output ``idx`` of the last decode, or
+    the kept ``row``), then the bookkeeping of a finished prefill."""
+    tgt = dec.target
+    if row is None:
+        row = tgt.logits_view(idx)
+        if dec.keep_memory:
+            dec.cache.prompt_row[s.seq_id] = (s.prompt.copy(), row.copy())
+        if s.smp is None:
+            tgt.argmax(idx, 1, dec._ids, dec._margin)
+            s.anchor = int(dec._ids[0])
+        else:
+            s.anchor = s.smp.sample(s.smp.probs(row))
+    else:
+        s.anchor = int(np.argmax(row)) if s.smp is None else s.smp.sample(s.smp.probs(row))
+    if s.n_probs:
+        s.pending_probs = token_probs(s, tgt, 0, [s.anchor], row=row)
+    if s.smp is not None:
+        s.smp.accept((s.anchor,))
+    s.stats.n_prompt = int(s.prompt.size)
+    s.stats.ms_prefill = (time.perf_counter() - s.t_start) * 1e3
+    s.pos0 = int(s.prompt.size)
+    dec._emit(s, [s.anchor])
