@@ -225,13 +225,16 @@ def test_two_dspark_objects_over_two_targets(target_path, dspark_draft_path, dfl
 
 def test_bad_input(ds):
     msgs = [{"role": "user", "content": "Hi"}]
-    for kw in (dict(grammar=object()), dict(logprobs=3), dict(logit_bias={1: 1.0}), dict(suffix="x"),
+    from llama_cpp import LlamaGrammar
+
+    for kw in (dict(grammar=LlamaGrammar.from_string('root ::= "a" (', verbose=False)), dict(logprobs=3),
+               dict(logit_bias={10 ** 9: 1.0}), dict(suffix="x"),
                dict(mirostat_mode=2), dict(typical_p=0.5), dict(stopping_criteria=[lambda *a: True]),
                dict(repeat_penalty=0.0)):   # (penalties themselves work at temperature 0: test_penalties_greedy)
         with pytest.raises(ValueError):
             ds.create_completion("Hello", temperature=0, **kw)
-    with pytest.raises(ValueError):
-        ds.create_chat_completion(msgs, temperature=0, response_format={"type": "json_object"})
+    with pytest.raises(TypeError):
+        ds.create_completion("Hello", temperature=0, grammar=object())
     with pytest.raises(ValueError):
         ds.create_chat_completion([], temperature=0)
     with pytest.raises(ValueError):
@@ -244,3 +247,23 @@ def test_bad_input(ds):
         ds.create_completion([1] * 5000, temperature=0)
     with pytest.raises(TypeError):
         DSpark.from_llama(object())
+
+
+def test_response_format_and_logit_bias_equal_llama(ds, llama_refs):
+    """json_object / json_schema response formats (llama-cpp-python's chat handler makes the
+    grammar, our loop decodes under it) and a logit bias: the same reply as Llama's."""
+    import json
+
+    msgs = [{"role": "user", "content": "Give a fruit and its color as JSON."}]
+    schema = {"type": "object", "properties": {"fruit": {"type": "string"}, "color": {"type": "string"}},
+              "required": ["fruit", "color"]}
+    for rf in ({"type": "json_object"}, {"type": "json_object", "schema": schema}):
+        r = ds.create_chat_completion(msgs, temperature=0, max_tokens=40, response_format=rf)
+        ref = llama_refs.chat(msgs, 40, response_format=rf)
+        assert content(r) == content(ref), rf
+        if r["choices"][0]["finish_reason"] == "stop":
+            json.loads(content(r))
+    bias = {17: 3.0, 28: float("-inf")}
+    r = ds.create_completion("The colors of the rainbow are", temperature=0, max_tokens=16, logit_bias=bias)
+    ref = llama_refs.completion("The colors of the rainbow are", 16, logit_bias={17: 3.0, 28: -1e30})
+    assert r["choices"][0]["text"] == ref["choices"][0]["text"]

@@ -71,6 +71,9 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
               help="Reuse the slot whose cached prompt matches this fraction of a new prompt (0: least recently "
                    "used slot only).")
 @click.option("--metrics", "metrics", is_flag=True, help="Serve Prometheus metrics at /metrics.")
+@click.option("-cram", "--cache-ram", "cache_ram", type=int, default=None,
+              help="Accepted for llama-server command lines; evicted prompts are not kept in host RAM here "
+                   "(each slot keeps its own prompt in its memories: docs/serve.md).")
 @click.option("-b", "--batch-size", "n_batch", type=int, default=512, show_default=True)
 @click.option("-ub", "--ubatch-size", "n_ubatch", type=int, default=512, show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="Threads per slot (default: all cores).")
@@ -82,7 +85,7 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
 @with_schedule_options
 def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_ctx, n_batch, n_ubatch, threads, flash_attn,
-          n_gpu_layers, api_key, alias, kv_unified, slot_similarity, metrics, temp, top_k, top_p, min_p, seed,
+          n_gpu_layers, api_key, alias, kv_unified, slot_similarity, metrics, cache_ram, temp, top_k, top_p, min_p, seed,
           repeat_penalty, repeat_last_n,
           presence_penalty, frequency_penalty, verbose, schedule, conf_min, p_survival_min, calibration,
           profile_path):
@@ -108,6 +111,9 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
         raise click.BadParameter("must be in 1..65535", param_hint="--port")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log = logging.getLogger("pyllama_dspark.serve.server")
+    if cache_ram not in (None, 0):
+        log.warning("--cache-ram %d: evicted prompts are not kept in host RAM (each slot's memories keep its "
+                    "last prompt; see docs/serve.md)", cache_ram)
     target = model or default_target()
 
     def policy_for(sp):   # --schedule ...: one policy per decoder (its running estimates are its own)

@@ -18,10 +18,12 @@ chat dict conversion are llama-cpp-python's.
 weights); it resets the Llama's token cache before each generation (the KV then holds our sequence)
 and is closed, before the context is freed, when the Llama closes.
 
-Not supported (a clear ValueError): logprobs, grammar / response_format / forced tool choice,
-logits_processor, logit_bias, stopping_criteria, suffix, mirostat, typical_p != 1.  Repeat /
-presence / frequency penalties work as in ``Llama`` (over the generated tokens, before the greedy
-pick at temperature 0).
+``grammar`` (a ``LlamaGrammar``), ``response_format`` (llama-cpp-python's chat handlers turn it into
+a grammar) and ``logit_bias`` work as in ``Llama``, under speculation (llama.cpp's grammar engine,
+:mod:`~pyllama_dspark.spec.grammar`).  Not supported (a clear ValueError): logprobs, forced tool
+choice, logits_processor, stopping_criteria, suffix, mirostat, typical_p != 1.  Repeat / presence /
+frequency penalties work as in ``Llama`` (over the generated tokens, before the greedy pick at
+temperature 0).
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ def _unsupported(**given) -> None:
     if bad:
         raise ValueError(f"DSpark does not support {', '.join(bad)} (use llama_cpp.Llama with "
                          f"DSparkDraftModel for those)")
+
+
+def _grammar_text(grammar) -> Optional[str]:
+    """GBNF of a ``LlamaGrammar`` (or of a GBNF string); None for no grammar."""
+    if grammar is None or isinstance(grammar, str):
+        return grammar
+    text = getattr(grammar, "_grammar", None)
+    if not isinstance(text, str):
+        raise TypeError(f"grammar must be a llama_cpp.LlamaGrammar or GBNF text, got {type(grammar).__name__}")
+    return text
 
 
 class _LlamaStandIn:
@@ -197,7 +209,7 @@ class DSpark(Owned):
         self._alive()
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        _unsupported(response_format=response_format is not None, logprobs=bool(logprobs))
+        _unsupported(logprobs=bool(logprobs))
         stand_in = _LlamaStandIn(self)
         out = self._handler(
             llama=stand_in, messages=list(messages), functions=functions, function_call=function_call,
@@ -258,8 +270,10 @@ class DSpark(Owned):
                     seed=None, mirostat_mode=0, model=None, logits_processor=None, grammar=None,
                     logit_bias=None, **_ignored):
         self._alive()
-        _unsupported(suffix=suffix is not None, logprobs=logprobs is not None, grammar=grammar is not None,
-                     logits_processor=logits_processor is not None, logit_bias=bool(logit_bias))
+        _unsupported(suffix=suffix is not None, logprobs=logprobs is not None,
+                     logits_processor=logits_processor is not None)
+        gbnf = _grammar_text(grammar)
+        bias = {int(k): float(v) for k, v in logit_bias.items()} if logit_bias else None
         tokens = self._prompt_tokens(prompt)
         if echo and not isinstance(prompt, str):
             raise ValueError("echo needs a text prompt")
@@ -276,7 +290,7 @@ class DSpark(Owned):
                 self.decoder.forget()
             self._llm.reset()   # the shared KV is about to hold our sequence, not the Llama's
         events = self.decoder.stream(tokens, int(max_tokens), n_max=self.n_max, stop=stops, sampling=sampling,
-                                     reuse_prefix=self.cache_prompt)
+                                     reuse_prefix=self.cache_prompt, grammar=gbnf, logit_bias=bias)
         head = (oai.new_completion_id(), oai.now(), model if model is not None else self.model_path)
         if stream:   # like Llama: echo applies to non-streaming responses only
             return self._chunks(events, head, len(tokens), stand_in)

@@ -42,6 +42,7 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp import llama_grammar as _lg
 
 from pyllama_dspark.errors import ClosedError, DSparkError
+from pyllama_dspark.llama.handles import Owned
 
 __all__ = ["GrammarError", "JSON_OBJECT_GBNF", "schema_to_gbnf", "Grammar", "GrammarCursor"]
 
@@ -273,21 +274,7 @@ def _scratch(n: int):
     return hit
 
 
-class _Owned:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class Grammar(_Owned):
+class Grammar(Owned):
     """One llama.cpp grammar sampler (owned; ``close()``, context manager) over a target's
     vocabulary.  Not thread-safe: one thread at a time per object."""
 
@@ -429,7 +416,7 @@ class Grammar(_Owned):
         return buf.raw[:max(0, k)]
 
 
-class GrammarCursor(_Owned):
+class GrammarCursor(Owned):
     """The grammar state of one sequence: the committed state, and a scratch clone advanced along
     the drafted block of the current step.  Owns the :class:`Grammar` it is given."""
 
