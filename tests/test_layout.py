@@ -10,8 +10,8 @@ import pyllama_dspark
 
 PKG = Path(pyllama_dspark.__file__).resolve().parent
 # README "Architecture": the layers, bottom up (same rank: side by side, never importing each other)
-RANK = {"errors": 0, "gguf": 1, "paths": 2, "prompts": 2, "llama": 2, "spec": 3, "decode": 4, "integrations": 5,
-        "serve": 5, "tools": 5, "training": 5, "cli": 6, "__init__": 7}
+RANK = {"errors": 0, "gguf": 1, "paths": 2, "prompts": 2, "llama": 2, "interop": 2, "spec": 3, "decode": 4,
+        "integrations": 5, "serve": 5, "tools": 5, "training": 5, "cli": 6, "__init__": 7}
 MAX_LINES = 500
 
 

@@ -111,7 +111,7 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
 @click.option("--target", "target", type=click.Path(dir_okay=False), default=None,
               help="Check the pairing with this target GGUF.")
 def inspect(draft, target):
-    """Print a draft's DSpark metadata and validate it against a target."""
+    """Print a draft's DSpark metadata (and where `convert` made it from) and validate it against a target."""
     from pyllama_dspark.gguf.info import read_draft_info, validate_pair
     from pyllama_dspark.gguf.report import format_draft_info
     from pyllama_dspark.gguf.target_info import read_target_info
@@ -190,6 +190,10 @@ main.add_command(_crosscheck)
 from pyllama_dspark.cli.train import train_cmd as _train  # noqa: E402
 
 main.add_command(_train)
+from pyllama_dspark.cli.convert import convert_cmd as _convert, export_cmd as _export  # noqa: E402
+
+main.add_command(_convert)
+main.add_command(_export)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -187,6 +187,29 @@ def _build_static(root: Path, src: Path, cmake: str, ninja: Optional[str], jobs:
     return built, args, t1
 
 
+def _extracted(root: Path, version: str, sdist: Optional[PathLike]) -> Path:
+    """``root/src``: the sdist's vendor/llama.cpp, extracted once (call under the root's lock)."""
+    src = root / "src"
+    if not (src / "CMakeLists.txt").is_file() or not (src / ".extracted").is_file():
+        sd = locate_sdist(version, root, sdist)
+        log_progress(f"extracting vendor/llama.cpp from {sd}")
+        extract_llama_cpp(sd, src)
+        (src / ".extracted").write_text(str(sd) + "\n")
+    return src
+
+
+def vendored_llama_cpp(cache_dir: Optional[PathLike] = None, *, version: Optional[str] = None,
+                       sdist: Optional[PathLike] = None) -> Path:
+    """The llama.cpp sources the installed llama-cpp-python was built from (its sdist's
+    vendor/llama.cpp: convert_hf_to_gguf.py, gguf-py, tools/...), downloaded and extracted into the
+    cache on first use."""
+    version = version or llama_cpp_python_version()
+    root = llama_server_cache_dir(cache_dir, version)
+    root.mkdir(parents=True, exist_ok=True)
+    with _file_lock(root / ".lock"):
+        return _extracted(root, version, sdist)
+
+
 def ensure_llama_server(cache_dir: Optional[PathLike] = None, *, version: Optional[str] = None,
                         sdist: Optional[PathLike] = None, jobs: Optional[int] = None,
                         cmake_args: Sequence[str] = (), rebuild: bool = False) -> Path:
@@ -213,12 +236,7 @@ def ensure_llama_server(cache_dir: Optional[PathLike] = None, *, version: Option
         if binary.is_file() and os.access(binary, os.X_OK) and not rebuild:
             return binary  # another process built it while we waited
         t0 = time.monotonic()
-        src = root / "src"
-        if not (src / "CMakeLists.txt").is_file() or not (src / ".extracted").is_file():
-            sd = locate_sdist(version, root, sdist)
-            log_progress(f"extracting vendor/llama.cpp from {sd}")
-            extract_llama_cpp(sd, src)
-            (src / ".extracted").write_text(str(sd) + "\n")
+        src = _extracted(root, version, sdist)
         jobs = int(jobs or os.environ.get(ENV_BUILD_JOBS) or 2)
         built, how = None, None
         lib = None if os.environ.get(ENV_BUILD) == "static" or cmake_args else installed_lib_dir()
