@@ -130,6 +130,47 @@ def test_pipeline_smoke_trains_exports_and_drafts(smoke, target_path):
             done = ev
         assert done.stats.drafted > 0 and done.stats.cycles > 0
         assert len(done.tokens) > 0
+    # the HF checkpoint beside the GGUF converts back to the same draft (llama.cpp's converter reads it:
+    # tests/test_interop.py)
+    from pyllama_dspark.interop.convert import convert_checkpoint
+
+    hf = work / "draft.hf"
+    assert res["hf"] == str(hf) and sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    _assert_same_draft(out, convert_checkpoint(hf, target_path, work / "rt.gguf"))
+
+
+def _assert_same_draft(a, b):
+    """Same tensors (types and bytes) and metadata, but for convert's provenance keys."""
+    from pyllama_dspark.gguf.info import SOURCE_PREFIX
+    from pyllama_dspark.gguf.reader import read_gguf
+    from pyllama_dspark.gguf.write import raw_field
+
+    ra, rb = read_gguf(str(a), use_cache=False), read_gguf(str(b), use_cache=False)
+    meta = lambda r: {k: raw_field(r, k) for k in r.fields   # noqa: E731
+                      if not k.startswith(("GGUF.", SOURCE_PREFIX))}
+    assert meta(ra) == meta(rb)
+    assert [(t.name, t.tensor_type.name, bytes(t.data)) for t in ra.tensors] == \
+        [(t.name, t.tensor_type.name, bytes(t.data)) for t in rb.tensors]
+
+
+def test_export_hf_beside_replaces_an_earlier_export_only(target_path, tmp_path):
+    """What ``train`` calls after writing its GGUF (here on a quick random Q8_0/F16 draft)."""
+    from pyllama_dspark.gguf.testing import make_test_draft
+    from pyllama_dspark.interop.convert import convert_checkpoint
+    from pyllama_dspark.training.export import export_hf_beside
+
+    out = make_test_draft(target_path, tmp_path / "d.gguf", kind="dspark", n_layers=1, seed=4, fc_type="q8_0")
+    assert export_hf_beside(out) == str(tmp_path / "d.hf")
+    first = (tmp_path / "d.hf" / "model.safetensors").read_bytes()
+    out = make_test_draft(target_path, tmp_path / "d.gguf", kind="dspark", n_layers=1, seed=5, fc_type="q8_0")
+    export_hf_beside(out)                               # a second export (resumed train) replaces the first
+    assert (tmp_path / "d.hf" / "model.safetensors").read_bytes() != first
+    assert not (tmp_path / "d.hf.new").exists()
+    _assert_same_draft(out, convert_checkpoint(tmp_path / "d.hf", target_path, tmp_path / "rt.gguf"))
+    (tmp_path / "d.hf" / "notes.txt").write_text("mine")
+    with pytest.raises(RuntimeError, match="not an earlier checkpoint export"):
+        export_hf_beside(out)
+    assert (tmp_path / "d.hf" / "notes.txt").exists()
 
 
 def test_training_learns_on_held_out_sequences(smoke, target_path, tmp_path):

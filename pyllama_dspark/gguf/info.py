@@ -49,6 +49,7 @@ from pyllama_dspark.gguf.target_info import TargetInfo
 
 __all__ = [
     "DRAFT_ARCH",
+    "SOURCE_PREFIX",
     "DraftInfo",
     "block_offset",
     "read_draft_info",
@@ -56,6 +57,8 @@ __all__ = [
 ]
 
 DRAFT_ARCH = "dflash"
+#: provenance keys ``pyllama-dspark convert`` writes (``<prefix>config``, ``<prefix>outtype``); llama.cpp ignores them
+SOURCE_PREFIX = "pyllama_dspark.source."
 
 # GGML types llama.cpp keeps fc in without the F16 overflow of hazard 9
 _F16_NAMES = ("F16",)

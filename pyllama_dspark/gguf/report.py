@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Optional
 
 from pyllama_dspark.errors import DraftMismatchError
-from pyllama_dspark.gguf.info import DraftInfo, validate_pair
+from pyllama_dspark.gguf.info import SOURCE_PREFIX, DraftInfo, validate_pair
+from pyllama_dspark.gguf.reader import field_value, read_gguf
 from pyllama_dspark.gguf.target_info import TargetInfo
 
 __all__ = ["format_draft_info"]
@@ -13,6 +14,30 @@ __all__ = ["format_draft_info"]
 
 def _yn(v: Optional[bool]) -> str:
     return "absent" if v is None else ("true" if v else "false")
+
+
+def _provenance_lines(path) -> list:
+    """Where ``pyllama-dspark convert`` made the draft from (its ``pyllama_dspark.source.*`` keys)."""
+    import json
+
+    r = read_gguf(path)
+    text = field_value(r, SOURCE_PREFIX + "config", None)
+    outtype = field_value(r, SOURCE_PREFIX + "outtype", None)
+    if text is None and outtype is None:
+        return ["  source:           not recorded (not made by pyllama-dspark convert)"]
+    lines = [f"  source:           pyllama-dspark convert, outtype {outtype}"]
+    if text is not None:
+        try:
+            cfg = json.loads(text)
+        except ValueError:
+            cfg = {}
+        if isinstance(cfg, dict):
+            prov = cfg.get("pyllama_dspark")
+            name = (prov.get("general_name") if isinstance(prov, dict) else None) or cfg.get("_name_or_path")
+            lines.append(f"  source model:     {cfg.get('architectures')}" + (f" ({name})" if name else ""))
+        lines.append("  source config.json:")
+        lines += ["    " + line for line in text.rstrip("\n").splitlines()]
+    return lines
 
 
 def format_draft_info(draft_info: DraftInfo, target_info: Optional[TargetInfo] = None) -> str:
@@ -40,6 +65,7 @@ def format_draft_info(draft_info: DraftInfo, target_info: Optional[TargetInfo] =
         f"  rope:             {d.rope_type}, freq_base {d.rope_freq_base:g}"
         + (f", sections {list(d.rope_sections)}" if any(d.rope_sections) else ""),
     ]
+    lines += _provenance_lines(d.path)
     for p in d.problems:
         lines.append(f"  PROBLEM: {p}")
     for n in d.notes:

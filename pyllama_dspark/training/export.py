@@ -5,19 +5,22 @@ writes the metadata and tokenizer): ``fc.weight`` stays F32 (F16 overflows on th
 activations; hazard 9 in DESIGN.md), norms and the confidence head F32, the layer matrices and the
 draft's own lm_head (``output.weight``, rows of the reduced vocabulary ``d2t``) in ``weights_type``
 (``q8_0`` by default: half the bytes of F16, and llama.cpp's CPU kernels are fastest on it),
-the Markov head F16.
+the Markov head F16.  :func:`export_hf_beside` then writes the same draft as a Hugging Face
+checkpoint (:func:`pyllama_dspark.interop.export.export_checkpoint`) in ``<stem>.hf/`` beside the GGUF.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 from typing import Dict, Tuple
 
 import numpy as np
 
 from pyllama_dspark.gguf.testing import make_test_draft
 
-__all__ = ["export_gguf", "WEIGHT_TYPES"]
+__all__ = ["export_gguf", "export_hf_beside", "hf_dir_for", "WEIGHT_TYPES"]
 
 WEIGHT_TYPES = ("f32", "f16", "q8_0")
 
@@ -64,3 +67,30 @@ def export_gguf(model, target_path: str, out_path: str, weights_type: str = "q8_
                    "@n_ff": s.n_ff, "@n_head": s.n_head, "@n_head_kv": s.n_head_kv,
                    "@head_dim": s.head_dim},
         weights=w)
+
+
+_HF_FILES = {"config.json", "model.safetensors"}
+
+
+def hf_dir_for(out_path) -> Path:
+    """Where ``train`` puts the HF checkpoint of ``out_path``: ``draft.gguf`` -> ``draft.hf/``."""
+    return Path(os.fspath(out_path)).with_suffix(".hf")
+
+
+def export_hf_beside(out_path) -> str:
+    """Export the draft GGUF at ``out_path`` as an HF checkpoint (config.json + model.safetensors) in
+    :func:`hf_dir_for` ``(out_path)``; an earlier export there is replaced (a directory holding anything
+    else is refused).  Returns the directory."""
+    from pyllama_dspark.interop.export import export_checkpoint
+
+    dst = hf_dir_for(out_path)
+    if dst.exists() and (not dst.is_dir() or not set(os.listdir(dst)) <= _HF_FILES):
+        raise RuntimeError(f"{dst} exists and is not an earlier checkpoint export (only {sorted(_HF_FILES)}): "
+                           f"move it away")
+    tmp = dst.with_name(dst.name + ".new")
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_checkpoint(out_path, tmp)
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+    return str(dst)

@@ -7,7 +7,7 @@ Everything lives in one work directory, and every stage resumes from what is the
 * ``data/`` -- shards written by :mod:`.datagen` (resumes per instruction);
 * ``vocab.npy`` -- the reduced draft vocabulary (``d2t``), fixed once chosen;
 * ``train/`` -- ``ckpt.pt`` (resumes at its step) and ``train_log.jsonl``;
-* the output GGUF.
+* the output GGUF, its model card (``.json``) and its Hugging Face checkpoint (``<stem>.hf/``).
 """
 
 from __future__ import annotations
@@ -169,11 +169,13 @@ def run_pipeline(target_path: str, work_dir, out_path: Optional[str], cfg: Pipel
                 raise RuntimeError(f"no checkpoint at {ck}: run the train stage first")
             model.load_state_dict(torch.load(ck, weights_only=False)["model"])
         if "export" in stages and out_path:
-            from pyllama_dspark.training.export import export_gguf
+            from pyllama_dspark.training.export import export_gguf, export_hf_beside
 
             export_gguf(model, target_path, out_path, cfg.weights_type)
             echo(f"wrote {out_path}")
             result["out"] = str(out_path)
+            result["hf"] = export_hf_beside(out_path)    # the same draft for vLLM / sglang / llama.cpp's converter
+            echo(f"wrote {result['hf']}")
             card_path = Path(str(out_path)).with_suffix(".json")
             card_path.write_text(json.dumps(_model_card(target_path, work, cfg, spec, recs, d2t, covered),
                                             indent=1, default=str))
