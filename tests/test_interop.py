@@ -436,12 +436,15 @@ def _options(cfg):
 
 
 @pytest.mark.parametrize("variant,outtype", [("shipped", "f16"), ("speculators_noconf", "q8_0"), ("options", "bf16"),
-                                             ("mask_embedding", "f32")])
+                                             ("mask_embedding", "f32"), ("flat", "f32")])
 def test_matches_llama_cpp_converter(variant, outtype, tmp_path, target_path, hf_target, shipped):
     if variant == "shipped":
         ck = _copy(shipped[1], tmp_path / "ck")
     elif variant == "mask_embedding":
         ck, hf_target = _mask_embedding_case(tmp_path, target_path, hf_target)
+    elif variant == "flat":         # the flat DSpark schema (no dflash_config), Markov + confidence heads, d2t
+        ck = _copy(shipped[1], tmp_path / "ck")
+        _edit_config(ck, _flat)
     elif variant == "options":      # a DFlash2 draft with every optional setting
         ck = _dflash2_case(tmp_path, target_path)
         _edit_config(ck, _options)

@@ -148,3 +148,32 @@ def test_conf_min_matches_llama_server_p_min(target_path, prompts, server_binary
     # some whole
     lengths = [d for r in rows for d, _ in r["o_steps"][:-1]]
     assert any(0 < d < 7 for d in lengths) and 7 in lengths, lengths
+
+
+def test_bonus_anchor_dspark_through_convert_matches_llama_server(target_path, bigram_draft, prompts, server_binary,
+                                                                tmp_path):
+    """``sample_from_anchor = false`` (the speculators layout's default: block [anchor, mask x k],
+    drafts from rows 1..k), reached the way users get it -- an HF checkpoint through ``convert``:
+    the same tokens and per-step counts as llama-server on the same GGUF, and the target's own
+    greedy tokens (the prompts' references are plain greedy decoding)."""
+    import json
+
+    from pyllama_dspark.gguf.reader import field_value, read_gguf
+    from pyllama_dspark.interop.convert import convert_checkpoint
+    from pyllama_dspark.interop.export import export_checkpoint
+
+    ck = export_checkpoint(bigram_draft, tmp_path / "ck")
+    cfg_path = os.path.join(ck, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["sample_from_anchor"] = False
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    draft = convert_checkpoint(ck, target_path, str(tmp_path / "bonus.gguf"))
+    assert field_value(read_gguf(draft), "dflash.sample_from_anchor") is False
+    rows = _compare(target_path, draft, prompts[:3], server_binary, min_accepted=1, n_predict=N_SHORT)
+    with Speculator(target_path, draft, n_ctx=4096, n_threads=THREADS, n_max=7, schedule="off") as sp:
+        assert sp.proposer.offset == 1   # the bonus slot: drafts read from rows 1..
+        for name, prompt, ref in prompts[:3]:
+            assert list(sp.generate(prompt, N_SHORT).tokens) == list(ref[:N_SHORT]), name
+    assert sum(r["ours"][0] for r in rows) > 0
