@@ -232,3 +232,24 @@ def test_bench_schedule_reuses_the_cached_profile(target_path, dspark_draft_path
             assert got["no draft"]["tau"] == 1.0 and got["no draft"]["vs_no_draft"] == 1.0
         oracle_fixed = next(r for r in rows if r["R"] == R and r["proposer"] == "oracle acc 0.9" and r["config"] == "fixed")
         assert oracle_fixed["tau"] > 2.0, "an oracle right on 90% of its blocks must get long runs accepted"
+
+
+def test_a_flat_cpu_curve_is_measured_again_and_never_cached(counted, target_path, monkeypatch):
+    """A curve measured on a busy machine is flat (every decode waits alike): it is measured once
+    more, and cached only when the new one is plausible; otherwise used for the run alone."""
+    from pyllama_dspark.decode.api import Speculator
+
+    with Speculator(target_path, None, n_ctx=512, n_threads=1) as sp:
+        real = costprofile.measure_target(sp.target)      # the counted stand-in: B = 1..4, one round
+        assert costprofile.plausible(real), real.verify_ms   # this idle CPU: 4 rows cost clearly more
+        flat = costprofile.Profile(**dict(real.__dict__, verify_ms=[3050.0] * 4))
+        curves = [flat, flat]
+        monkeypatch.setattr(costprofile, "measure_target", lambda target, **kw: curves.pop(0))
+        msgs = []
+        got = costprofile.auto_profile(sp.target, echo=msgs.append, progress=False)
+        path = costprofile.default_path(costprofile.target_key(sp.target))
+        assert got.verify_ms == [3050.0] * 4 and not path.exists() and not curves
+        assert any("not cached" in m for m in msgs)
+        curves[:] = [flat, real]
+        got = costprofile.auto_profile(sp.target, echo=msgs.append, progress=False)
+        assert got.verify_ms == real.verify_ms and costprofile.load(path).verify_ms == real.verify_ms
