@@ -253,3 +253,8 @@ def test_a_flat_cpu_curve_is_measured_again_and_never_cached(counted, target_pat
         curves[:] = [flat, real]
         got = costprofile.auto_profile(sp.target, echo=msgs.append, progress=False)
         assert got.verify_ms == real.verify_ms and costprofile.load(path).verify_ms == real.verify_ms
+        # a flat curve already in the cache (written before this check existed) is measured again
+        costprofile.save(flat, path)
+        curves[:] = [real]
+        assert costprofile.auto_profile(sp.target, echo=msgs.append, progress=False).verify_ms == real.verify_ms
+        assert not curves and costprofile.load(path).verify_ms == real.verify_ms
