@@ -224,7 +224,6 @@ def test_two_dspark_objects_over_two_targets(target_path, dspark_draft_path, dfl
 
 
 def test_bad_input(ds):
-    msgs = [{"role": "user", "content": "Hi"}]
     from llama_cpp import LlamaGrammar
 
     for kw in (dict(grammar=LlamaGrammar.from_string('root ::= "a" (', verbose=False)), dict(logprobs=3),
