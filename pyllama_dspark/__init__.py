@@ -18,6 +18,16 @@ if _cpu_has_amx():   # llama.cpp's AMX repacking crashes with a draft's capture:
     _install_amx()
 
 
+def _rpc_module():  # llama.cpp's RPC backend module, built and cached on first use of --rpc
+    from pyllama_dspark.tools.rpc_build import rpc_module
+    return rpc_module()
+
+
+from pyllama_dspark.llama import rpc as _rpc  # noqa: E402
+
+_rpc.set_module_provider(_rpc_module)
+
+
 def __getattr__(name):
     if name == "Speculator":
         from pyllama_dspark.decode.api import Speculator

@@ -72,3 +72,39 @@ def resolve_draft_arg(draft: Optional[str], target: str) -> Optional[str]:
     if draft in ("random", "random-dspark", "random-dflash"):
         return paths.random_draft_for(target, "dflash" if draft == "random-dflash" else "dspark")
     return draft
+
+
+def offload_options(fn):
+    """llama-server's ``--rpc``, ``-ts/--tensor-split`` and ``-ngld``, handed to the command as one
+    ``offload`` dict of :class:`~pyllama_dspark.decode.api.Speculator` keyword arguments."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, rpc=None, tensor_split=None, n_gpu_layers_draft=None, **kw):
+        from pyllama_dspark.llama.rpc import RpcEndpointError, parse_endpoints
+
+        try:
+            endpoints = parse_endpoints(rpc) if rpc else ()
+        except RpcEndpointError as e:
+            raise click.BadParameter(str(e), param_hint="--rpc")
+        split = ()
+        if tensor_split:
+            try:
+                split = tuple(float(x) for x in tensor_split.replace("/", ",").split(","))
+            except ValueError:
+                raise click.BadParameter(f"{tensor_split!r}: expected proportions like 3,1", param_hint="-ts")
+        kw["offload"] = dict(rpc=endpoints, tensor_split=split, n_gpu_layers_draft=n_gpu_layers_draft)
+        return fn(*args, **kw)
+
+    opts = [
+        click.option("--rpc", "rpc", default=None, envvar="LLAMA_ARG_RPC", metavar="SERVERS",
+                     help="Comma-separated RPC servers (host:port) the offloaded layers (-ngl) go to; start "
+                          "them with `pyllama-dspark rpc-server` (docs/scale-out.md)."),
+        click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="N0,N1,...",
+                     help="Share of the offloaded layers per device (RPC servers first), e.g. 3,1."),
+        click.option("-ngld", "--n-gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
+                     help="The draft's offloaded layers (default: as -ngl; 0 keeps the draft local)."),
+    ]
+    for o in reversed(opts):
+        wrapper = o(wrapper)
+    return wrapper

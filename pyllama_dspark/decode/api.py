@@ -20,6 +20,7 @@ from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.llama.models import open_models
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Owned, Target
+from pyllama_dspark.llama.rpc import parse_endpoints
 from pyllama_dspark.spec.policy import VerifyPolicy, policy_for
 from pyllama_dspark.spec.sampling import SamplingParams
 
@@ -35,7 +36,9 @@ class Speculator(Owned):
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512,
                  n_threads: Optional[int] = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
                  n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False, n_seq: int = 1,
-                 schedule: Union[str, VerifyPolicy, None] = "auto", cost_profile=None, kv_unified: bool = False):
+                 schedule: Union[str, VerifyPolicy, None] = "auto", cost_profile=None, kv_unified: bool = False,
+                 rpc: Union[str, Sequence[str], None] = None, tensor_split: Sequence[float] = (),
+                 n_gpu_layers_draft: Optional[int] = None):
         """``n_seq``: sequences the contexts hold (``n_ctx`` is shared among them), for a
         :class:`~pyllama_dspark.decode.loop.Decoder` over ``target`` / ``proposer``; ``stream``/``generate`` use
         sequence 0.
@@ -46,13 +49,20 @@ class Speculator(Owned):
         fixed block), or a :class:`~.policy.VerifyPolicy`.  ``cost_profile``: the auto schedule's
         cost curve (a profile path, :class:`~.costprofile.Profile` or :class:`~.schedule.CostModel`)
         instead of the cached / measured one.  ``kv_unified``: one KV buffer for all ``n_seq``
-        sequences, each of which may then use all of ``n_ctx`` (llama-server's ``-kvu``)."""
+        sequences, each of which may then use all of ``n_ctx`` (llama-server's ``-kvu``).
+
+        ``rpc``: llama.cpp RPC servers (``"host:port,..."``, llama-server's ``--rpc``) that the
+        ``n_gpu_layers`` offloaded layers go to, split by ``tensor_split`` (``-ts``); each is probed
+        first (:class:`~pyllama_dspark.llama.rpc.RpcEndpointError` if unreachable or busy).
+        ``n_gpu_layers_draft``: the draft's offloaded layers (``-ngld``; None: as the target's)."""
         check_n_max(n_max)
         if int(n_seq) <= 0:
             raise ValueError(f"n_seq must be >= 1, got {n_seq}")
         self.settings = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
                                         flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, verbose=verbose,
-                                        n_seq_max=int(n_seq), kv_unified=bool(kv_unified))
+                                        n_seq_max=int(n_seq), kv_unified=bool(kv_unified),
+                                        rpc=tuple(parse_endpoints(rpc)), tensor_split=tuple(tensor_split or ()),
+                                        n_gpu_layers_draft=n_gpu_layers_draft)
         self.settings.validate()
         # validates the pairing from the files before llama.cpp sees them (it aborts on mismatches)
         self.target, self.draft, self.warnings = open_models(target_path, draft_path, self.settings)

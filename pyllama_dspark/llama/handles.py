@@ -11,16 +11,18 @@ context owned by someone else is :class:`~pyllama_dspark.llama.borrowed.Borrowed
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import weakref
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import llama_cpp
 from llama_cpp import llama_cpp as ll
 
 from pyllama_dspark.llama import _native as nat
+from pyllama_dspark.llama import rpc
 from pyllama_dspark.llama.backend import check_gguf_file, default_threads, ensure_backend
 from pyllama_dspark.llama.draft_meta import DraftMeta
 from pyllama_dspark.errors import ClosedError, DraftMismatchError, ModelFileError, NativeError
@@ -75,6 +77,12 @@ class ContextSettings:
     swa_full: bool = False
     # one KV buffer for all sequences (llama-server's -kvu): any one sequence may use all of n_ctx
     kv_unified: bool = False
+    # llama-server's --rpc: the model's offloaded layers (n_gpu_layers) go to these RPC servers
+    rpc: Tuple[str, ...] = ()
+    # llama-server's -ts: the share of the offloaded layers each device gets (RPC devices first)
+    tensor_split: Tuple[float, ...] = ()
+    # llama-server's -ngld: the draft's offloaded layers (None: as n_gpu_layers)
+    n_gpu_layers_draft: Optional[int] = None
 
     def validate(self) -> None:
         if self.flash_attn not in _FLASH_ATTN:
@@ -84,6 +92,24 @@ class ContextSettings:
                 raise ValueError(f"{name} must be > 0")
         if self.n_ubatch > self.n_batch:
             self.n_ubatch = self.n_batch
+        self.rpc = rpc.parse_endpoints(self.rpc if self.rpc else None)
+        split = tuple(float(x) for x in (self.tensor_split or ()))
+        if len(split) > int(ll.llama_max_devices()) or any(not x >= 0 for x in split) or (split and sum(split) <= 0):
+            raise ValueError(f"tensor_split must be at most {int(ll.llama_max_devices())} non-negative "
+                             f"proportions with a positive sum, got {list(split)}")
+        self.tensor_split = split
+
+    def placement(self):
+        """Where the layers go, for cache keys: n_gpu_layers, plus the RPC servers and split if any."""
+        if not self.rpc and not self.tensor_split:
+            return self.n_gpu_layers
+        return [self.n_gpu_layers, list(self.rpc), list(self.tensor_split)]
+
+    def for_draft(self) -> "ContextSettings":
+        """These settings with the draft's offload (-ngld) as n_gpu_layers."""
+        if self.n_gpu_layers_draft is None:
+            return self
+        return dataclasses.replace(self, n_gpu_layers=int(self.n_gpu_layers_draft), n_gpu_layers_draft=None)
 
     def context_params(self):
         p = ll.llama_context_default_params()
@@ -111,6 +137,12 @@ class _ModelCtx(Owned):
         self.settings = settings
         mp = ll.llama_model_default_params()
         mp.n_gpu_layers = settings.n_gpu_layers
+        if settings.rpc or rpc.in_use():  # explicit devices: this model's --rpc servers, else local only
+            devices = rpc.model_devices(settings.rpc)
+            mp.devices = ctypes.cast(devices, ctypes.c_void_p)
+        if settings.tensor_split:
+            split = (ctypes.c_float * int(ll.llama_max_devices()))(*settings.tensor_split)
+            mp.tensor_split = split
         self.model = ll.llama_model_load_from_file(os.fsencode(self.path), mp)
         if not self.model:
             raise ModelFileError(f"llama.cpp could not load {self.path}")

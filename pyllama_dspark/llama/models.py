@@ -25,7 +25,7 @@ def open_models(target_path: str, draft_path: Optional[str],
     draft = None
     if draft_path is not None:
         try:
-            draft = Draft(draft_path, target, settings)
+            draft = Draft(draft_path, target, settings.for_draft())
         except BaseException:
             target.close()
             raise

@@ -61,7 +61,7 @@ def _file_id(path: Optional[str]) -> str:
 
 
 def profile_key(target: str, draft: Optional[str], n_ctx: int, n_threads: int, flash_attn: str,
-                n_gpu_layers: int, b_max: int) -> str:
+                n_gpu_layers, b_max: int) -> str:
     raw = json.dumps([PROFILE_VERSION, _file_id(target), _file_id(draft), n_ctx, n_threads, flash_attn,
                       n_gpu_layers, b_max])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -161,7 +161,7 @@ def measure(sp, *, b_max: int = 32, repeats: int = 5, seed: int = 0,
         overhead = (st.ms_overhead + st.ms_inject) / st.cycles
     s = sp.settings
     key = profile_key(tgt.path, getattr(sp.draft, "path", None), s.n_ctx, s.n_threads or 0, s.flash_attn,
-                      s.n_gpu_layers, b_max)
+                      s.placement(), b_max)
     bs = list(range(1, b_max + 1))
     q = lambda b, p: float(np.percentile(times[b], p))  # noqa: E731
     return Profile(
@@ -180,7 +180,7 @@ def load_or_measure(sp, *, path=None, b_max: int = 32, repeats: int = 5, remeasu
     """The cached profile for these settings, measuring it on first use."""
     s = sp.settings
     key = profile_key(sp.target.path, getattr(sp.draft, "path", None), s.n_ctx, s.n_threads or 0, s.flash_attn,
-                      s.n_gpu_layers, b_max)
+                      s.placement(), b_max)
     p = Path(path) if path else default_path(key)
     if p.exists() and not remeasure:
         try:
@@ -225,7 +225,7 @@ def measure_target(target, *, b_max: int = AUTO_B_MAX, repeats: int = 5, budget_
 
 def target_key(target) -> str:
     s = target.settings
-    return profile_key(target.path, None, s.n_ctx, s.n_threads or 0, s.flash_attn, s.n_gpu_layers,
+    return profile_key(target.path, None, s.n_ctx, s.n_threads or 0, s.flash_attn, s.placement(),
                        min(AUTO_B_MAX, target.n_batch))
 
 

@@ -255,6 +255,7 @@ class DraftModelProposer(Proposer):
         if self._block_sampler is None:
             from pyllama_dspark.spec.draft_sampling import BlockSampler, read_conf_head, read_d2t
             from pyllama_dspark.llama.handles import MarkovHead
+            from pyllama_dspark.llama.rpc import local_gpu_devices
 
             d, m = self.draft, self.meta
             markov = conf = d2t = None
@@ -262,7 +263,9 @@ class DraftModelProposer(Proposer):
                 s = d.settings
                 # one thread: a [rank x n_vocab] product per call is too small to gain from a pool,
                 # and a pool on a busy machine costs far more than it saves
-                markov = MarkovHead(d.path, use_gpu=s.n_gpu_layers > 0, n_threads=1)
+                # on a local GPU when the draft is offloaded, never on an RPC device (a round trip
+                # per drafted position for a [rank x n_vocab] product)
+                markov = MarkovHead(d.path, use_gpu=s.n_gpu_layers > 0 and bool(local_gpu_devices()), n_threads=1)
                 self._markov = markov
                 if m.has_confidence:
                     conf = read_conf_head(d.path, d.n_embd, markov.rank)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from pyllama_dspark.tools.llama_server_linked import configure_command, installed_lib_dir
+from pyllama_dspark.tools.llama_server_linked import FEATURES, configure_command, installed_lib_dir
 from pyllama_dspark.tools.llama_server_sdist import (LlamaServerBuildError, PathLike, extract_llama_cpp,
                                                      llama_cpp_python_version, llama_server_cache_dir, locate_sdist,
                                                      log_progress)
@@ -51,6 +51,7 @@ def cmake_configure_args(extra: Sequence[str] = ()) -> List[str]:
         "-DLLAMA_USE_PREBUILT_UI=OFF",
         "-DLLAMA_OPENSSL=OFF",
         "-DLLAMA_LLGUIDANCE=OFF",
+        "-DGGML_RPC=ON",  # RPC built in: --rpc works, and the tree also gives ggml-rpc-server
     ]
     env_extra = os.environ.get(ENV_CMAKE_ARGS, "").strip()
     if env_extra:
@@ -259,6 +260,7 @@ def ensure_llama_server(cache_dir: Optional[PathLike] = None, *, version: Option
             "llama_cpp_python_version": version,
             "build": how,
             "cmake_args": args,
+            "features": list(FEATURES) if how == "linked" else [],
             "generator": "Ninja" if ninja else "Unix Makefiles",
             "jobs": jobs,
             "configure_s": round(t1 - t0, 1),

@@ -46,7 +46,7 @@ add_executable(llama-server
     ${S}/main.cpp ${S}/server.cpp ${S}/server-http.cpp ${S}/server-models.cpp
     ${S}/server-chat.cpp ${S}/server-task.cpp ${S}/server-queue.cpp ${S}/server-common.cpp
     ${S}/server-context.cpp ${S}/server-stream.cpp ${S}/server-tools.cpp ${S}/server-mcp.cpp
-    ${S}/server-schema.cpp ${UI_DIR}/ui.cpp)
+    ${S}/server-schema.cpp ${UI_DIR}/ui.cpp ${CMAKE_CURRENT_SOURCE_DIR}/preload_backends.cpp)
 target_include_directories(llama-server PRIVATE ${S} ${UI_DIR} ${SRC}/tools/mtmd ${SRC} ${SRC}/common
     ${SRC}/include ${SRC}/ggml/include ${SRC}/vendor)
 target_compile_definitions(llama-server PRIVATE LLAMA_SUBPROCESS ${EXTRA_DEFINES})
@@ -55,6 +55,20 @@ target_link_libraries(llama-server PRIVATE
     ${LLAMA_LIB}/libggml.so ${LLAMA_LIB}/libggml-base.so Threads::Threads ${EXTRA_LIBS})
 set_target_properties(llama-server PROPERTIES BUILD_RPATH "${LLAMA_LIB}")
 """
+
+# llama-server's --rpc asks llama_supports_rpc(), which loads the backends found next to the
+# executable only when none is registered yet: true in a GGML_BACKEND_DL build, never here, where
+# the installed libggml registers its CPU backend at start.  Loading them at start, as that build
+# would, lets the RPC module that :mod:`.rpc_build` puts beside this binary be found.
+PRELOAD = """// the backends beside the executable (llama.cpp's RPC module), loaded before main() as a
+// GGML_BACKEND_DL build of llama.cpp would load them
+#include "ggml-backend.h"
+namespace {
+struct preload_backends { preload_backends() { ggml_backend_load_all(); } } preload_at_start;
+}
+"""
+# written into build-info.json: a cached llama-server without it is rebuilt by the RPC build
+FEATURES = ("preload_backends",)
 
 
 def _digest(path: Path) -> str:
@@ -87,6 +101,7 @@ def configure_command(cmake: str, ninja: Optional[str], src: Path, project: Path
     """Writes the CMake project into ``project`` and returns its configure command line."""
     project.mkdir(parents=True, exist_ok=True)
     (project / "CMakeLists.txt").write_text(CMAKELISTS)
+    (project / "preload_backends.cpp").write_text(PRELOAD)
     ssl = b"libssl.so" in (lib / "libllama-common.so").resolve().read_bytes()
     cmd = [cmake, "-S", str(project), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
            f"-DLLAMA_SRC={src}", f"-DLLAMA_LIB={lib}"]
