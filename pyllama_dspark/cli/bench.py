@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from pyllama_dspark.cli.common import offload_options
 from pyllama_dspark.errors import DSparkError
 
 
@@ -35,11 +36,12 @@ from pyllama_dspark.errors import DSparkError
 @click.option("-t", "--threads", type=int, default=None, help="Threads (default: all cores).")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@offload_options
 @click.option("--json", "json_path", default=None, help="Write the full results as JSON to this file ('-': stdout).")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG of per-position acceptance (needs matplotlib).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict, n_max, temp, seed, n_ctx, threads, flash_attn,
-          n_gpu_layers, json_path, plot_path, no_progress):
+          n_gpu_layers, offload, json_path, plot_path, no_progress):
     """Benchmark no draft / DFlash mode / DSpark side by side (tables like the llama.cpp PR's)."""
     from tqdm import tqdm
 
@@ -77,7 +79,7 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
         raise click.BadParameter("the scheduled configurations need a DSpark draft with a confidence head",
                                  param_hint="--configs")
     items = load_prompt_items(prompts, limit)
-    settings = dict(n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers)
+    settings = dict(n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, **offload)
     try:
         sps = open_configs(target, draft if any(c != "none" for c in names) else None, names, n_max=n_max,
                            conf_min=conf_min, p_survival_min=p_survival, **settings)

@@ -8,6 +8,7 @@ import warnings
 
 import click
 
+from pyllama_dspark.cli.common import offload_options
 from pyllama_dspark.errors import DSparkError
 
 
@@ -35,11 +36,13 @@ from pyllama_dspark.errors import DSparkError
 @click.option("-b", "--batch-size", "n_batch", type=int, default=512, show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="Threads (default: all cores).")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
+@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@offload_options
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the block sampling.")
 @click.option("--json", "json_path", default=None, help="Write the report as JSON to this file ('-': stdout).")
 @click.pass_context
 def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max, ref_blocks, tie_eps, rel_tol, strict,
-               n_ctx, n_batch, threads, flash_attn, seed, json_path):
+               n_ctx, n_batch, threads, flash_attn, n_gpu_layers, offload, seed, json_path):
     """Check our loop against plain greedy, llama.cpp's C++ driver and the numpy draft graph."""
     from pyllama_dspark.decode.api import Speculator
     from pyllama_dspark.cli.common import default_target, load_prompt_items, resolve_draft_arg
@@ -48,6 +51,11 @@ def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max
     for name, v in (("--limit", limit), ("-n", n_predict), ("--n-max", n_max)):
         if v <= 0:
             raise click.BadParameter("must be >= 1", param_hint=name)
+    if offload["rpc"] and llama_server:
+        # an rpc-server serves one client at a time, and this process holds its servers until it ends
+        raise click.BadParameter("cannot be used with --rpc: each rpc-server serves one client at a time; compare "
+                                 "with llama-server --rpc in a separate run (docs/scale-out.md)",
+                                 param_hint="--llama-server")
     target = model or default_target()
     draft = resolve_draft_arg(draft, target)
     items = load_prompt_items(prompts, limit)
@@ -58,7 +66,8 @@ def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             sp = Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
-                            flash_attn=flash_attn, n_max=n_max, schedule="off")   # step by step vs llama.cpp
+                            flash_attn=flash_attn, n_max=n_max, schedule="off",   # step by step vs llama.cpp
+                            n_gpu_layers=n_gpu_layers, **offload)
     except (DSparkError, ValueError, OSError) as e:
         raise click.ClickException(f"the draft does not load: {e}")
     try:

@@ -8,7 +8,8 @@ import warnings
 
 import click
 
-from pyllama_dspark.cli.common import default_target, resolve_draft_arg, sampling_from_options, sampling_options
+from pyllama_dspark.cli.common import (default_target, offload_options, resolve_draft_arg, sampling_from_options,
+                                       sampling_options)
 from pyllama_dspark.cli.sched import make_policy, register as _register_sched, with_schedule_options
 from pyllama_dspark.errors import DSparkError
 from pyllama_dspark.paths import default_draft
@@ -44,12 +45,13 @@ def main():
 @click.option("-t", "--threads", type=int, default=None, help="Threads (default: all cores).")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@offload_options
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at end-of-generation tokens.")
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
 @with_schedule_options
 def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n,
         presence_penalty, frequency_penalty, no_draft, raw, as_json, n_ctx, n_batch, threads,
-        flash_attn, n_gpu_layers, ignore_eos, verbose, schedule, conf_min, p_survival_min, calibration,
+        flash_attn, n_gpu_layers, offload, ignore_eos, verbose, schedule, conf_min, p_survival_min, calibration,
         profile_path):
     """Generate text with DSpark speculative decoding.
 
@@ -79,7 +81,7 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
         try:
             with Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
                             flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose,
-                            schedule="off") as sp:
+                            schedule="off", **offload) as sp:
                 for w in sp.warnings:
                     click.echo(f"warning: {w}", err=True)
                 # every schedule, at every temperature, runs in the one-sequence engine
@@ -195,6 +197,9 @@ from pyllama_dspark.cli.convert import convert_cmd as _convert, export_cmd as _e
 main.add_command(_convert)
 main.add_command(_export)
 
+from pyllama_dspark.cli.rpc import rpc_server as _rpc_server  # noqa: E402
+
+main.add_command(_rpc_server)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -11,14 +11,15 @@ from typing import List, Optional
 
 import click
 
+from pyllama_dspark.cli.common import offload_options
 from pyllama_dspark.errors import DSparkError
 
 
-def _settings(n_ctx, threads, flash_attn, n_seq=1, n_gpu_layers=0):
+def _settings(n_ctx, threads, flash_attn, n_seq=1, n_gpu_layers=0, **offload):
     from pyllama_dspark.llama.handles import ContextSettings
 
     return ContextSettings(n_ctx=n_ctx * n_seq, n_threads=threads, flash_attn=flash_attn, n_seq_max=n_seq,
-                           n_gpu_layers=n_gpu_layers)
+                           n_gpu_layers=n_gpu_layers, **offload)
 
 
 def _target_path(model):
@@ -249,9 +250,11 @@ class _OracleSet:
 @click.option("--accuracies", default="0.9,0.6,0.3", show_default=True,
               help="Oracle-ish proposer: probability that a block has no planted error.")
 @click.option("--conf-min", type=float, default=0.5, show_default=True)
+@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@offload_options
 @click.option("--json", "as_json", is_flag=True)
 def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit, n_predict, rs, accuracies,
-                       conf_min, as_json):
+                       conf_min, n_gpu_layers, offload, as_json):
     """tok/s of no draft, fixed-length DSpark, static conf_min and the profiled scheduler, interleaved."""
     from tabulate import tabulate
     from tqdm import tqdm
@@ -270,13 +273,15 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
     accs = [float(x) for x in accuracies.split(",") if x.strip()]
     items = load_prompts(prompt_paths, limit_per_file=limit)
     # the cost curve of this machine (cached), from a single-sequence context
-    with Speculator(target_p, draft_p, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, schedule="off") as sp:
+    place = dict(n_gpu_layers=n_gpu_layers, **offload)
+    with Speculator(target_p, draft_p, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, schedule="off",
+                    **place) as sp:
         prof = costprofile.load_or_measure(sp)
         prompts = [build_chat_prompt(sp.target, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
         refs = [sp.generate(p, n_predict, ignore_eos=False).tokens for p in prompts]
     cost = prof.cost_model()
     click.echo(prof.table(), err=True)
-    with Speculator(target_p, None, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn) as sp0:
+    with Speculator(target_p, None, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, **place) as sp0:
         auto_cost = costprofile.auto_profile(sp0.target).cost_model()
     label = "random draft" if (draft or "random") == "random" else f"draft {os.path.basename(draft_p)}"
     sources = [(label, None)] + [(f"oracle acc {a:.1f}", a) for a in accs]
@@ -284,7 +289,7 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
                ("auto", "auto")]
     rows = []
     for R in r_list:
-        t, d, _ = open_models(target_p, draft_p, _settings(n_ctx, threads, flash_attn, R))
+        t, d, _ = open_models(target_p, draft_p, _settings(n_ctx, threads, flash_attn, R, **place))
         with t:
             n_vocab = t.n_vocab
             results = {(s, c): [] for s, _ in sources for c, _ in configs}

@@ -6,10 +6,11 @@ import logging
 import os
 import threading
 import warnings
+from typing import Optional
 
 import click
 
-from pyllama_dspark.cli.common import resolve_draft_arg, sampling_from_options, sampling_options
+from pyllama_dspark.cli.common import offload_options, resolve_draft_arg, sampling_from_options, sampling_options
 from pyllama_dspark.cli.sched import make_policy, with_schedule_options
 from pyllama_dspark.errors import DSparkError
 
@@ -26,7 +27,8 @@ def resolve_draft(target: str, draft, spec_type: str):
 
 
 def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int, threads, flash_attn: str,
-               n_gpu_layers: int, n_max: int, verbose: bool = False, slot_similarity: float = 0.1):
+               n_gpu_layers: int, n_max: int, verbose: bool = False, slot_similarity: float = 0.1,
+               offload: Optional[dict] = None):
     """``-np N -nocb``: N slots with contexts of their own, ``n_ctx / N`` tokens each (llama-server's
     ``-c`` is the total)."""
     from pyllama_dspark.decode.api import Speculator
@@ -39,7 +41,7 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
             warnings.simplefilter("always")
             sp = Speculator(target, draft, n_ctx=n_ctx // n_slots, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                             flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose,
-                            schedule="off")   # serve sets each decoder's policy (--schedule)
+                            schedule="off", **(offload or {}))   # serve sets each decoder's policy (--schedule)
         if i == 0:
             for w in list(sp.warnings) + [str(c.message) for c in caught]:
                 log.warning("warning: %s", w)
@@ -79,13 +81,14 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 @click.option("-t", "--threads", type=int, default=None, help="Threads per slot (default: all cores).")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@offload_options
 @click.option("--api-key", default=None, envvar="LLAMA_API_KEY", help="Require 'Authorization: Bearer KEY'.")
 @click.option("-a", "--alias", default=None, help="Model name in /v1/models and responses.")
 @sampling_options
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
 @with_schedule_options
 def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_ctx, n_batch, n_ubatch, threads, flash_attn,
-          n_gpu_layers, api_key, alias, kv_unified, slot_similarity, metrics, cache_ram, temp, top_k, top_p, min_p, seed,
+          n_gpu_layers, offload, api_key, alias, kv_unified, slot_similarity, metrics, cache_ram, temp, top_k, top_p, min_p, seed,
           repeat_penalty, repeat_last_n,
           presence_penalty, frequency_penalty, verbose, schedule, conf_min, p_survival_min, calibration,
           profile_path):
@@ -128,11 +131,11 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
             pool = open_batched_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                                      threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
                                      verbose=verbose, policy_factory=policy_for, kv_unified=kv_unified,
-                                     slot_similarity=slot_similarity)
+                                     slot_similarity=slot_similarity, offload=offload)
         else:
             pool = build_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                               threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
-                              verbose=verbose, slot_similarity=slot_similarity)
+                              verbose=verbose, slot_similarity=slot_similarity, offload=offload)
             try:
                 for sp_i in pool.speculators:
                     sp_i.decoder.policy = policy_for(sp_i)

@@ -88,7 +88,8 @@ class DSpark(Owned):
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512, n_threads: Optional[int] = None,
                  flash_attn: str = "auto", n_gpu_layers: int = 0, chat_format: Optional[str] = None,
                  chat_handler=None, last_n_tokens_size: int = 64, verbose: bool = False,
-                 schedule="auto", cost_profile=None, cache_prompt: bool = False):
+                 schedule="auto", cost_profile=None, cache_prompt: bool = False, rpc=None,
+                 tensor_split=(), n_gpu_layers_draft: Optional[int] = None):
         """``schedule``: ``"auto"`` (default: verify drafts only where it pays on this machine's
         measured, cached cost curve), ``"off"`` (every draft verified, llama.cpp's fixed block) or
         a :class:`~.policy.VerifyPolicy`; ``cost_profile`` as for :class:`~.api.Speculator`.
@@ -96,10 +97,12 @@ class DSpark(Owned):
         part of the next prompt they lack, as ``Llama`` reuses its cached prefix: turn k of a chat
         decodes the new turn only.  Off by default: a prefix decoded in other batch shapes than a
         fresh prefill changes the logits' last bits, so greedy output can differ from a fresh
-        call's at a numerical near-tie."""
+        call's at a numerical near-tie.  ``rpc``, ``tensor_split``, ``n_gpu_layers_draft``: llama.cpp
+        RPC servers for the offloaded layers, as for :class:`~.api.Speculator`."""
         self._sp = Speculator(target_path, draft_path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                               n_threads=n_threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers,
-                              n_max=n_max, verbose=verbose, schedule=schedule, cost_profile=cost_profile)
+                              n_max=n_max, verbose=verbose, schedule=schedule, cost_profile=cost_profile,
+                              rpc=rpc, tensor_split=tensor_split, n_gpu_layers_draft=n_gpu_layers_draft)
         self._setup(self._sp.target, self._sp.draft, self._sp.proposer, self._sp.n_max, str(target_path),
                     None, last_n_tokens_size, policy=self._sp.policy)
         self.cache_prompt = bool(cache_prompt)

@@ -181,7 +181,7 @@ class BatchedPool(JobQueue):
 def open_batched_pool(target: str, draft: Optional[str], *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int,
                       threads, flash_attn: str, n_gpu_layers: int, n_max: int, verbose: bool = False,
                       policy_factory=None, kv_unified: bool = False,
-                      slot_similarity: float = SLOT_PROMPT_SIMILARITY) -> BatchedPool:
+                      slot_similarity: float = SLOT_PROMPT_SIMILARITY, offload: Optional[dict] = None) -> BatchedPool:
     """A Speculator with ``n_slots`` sequences sharing ``n_ctx`` tokens (llama-server's ``-c``:
     ``n_ctx / n_slots`` each, or all of it for any one with ``kv_unified``), wrapped in a
     BatchedPool; ``policy_factory(sp)``: the VerifyPolicy of its decoder (None: verify every draft)."""
@@ -189,7 +189,7 @@ def open_batched_pool(target: str, draft: Optional[str], *, n_slots: int, n_ctx:
 
     sp = Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                     flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose, n_seq=n_slots,
-                    schedule="off", kv_unified=kv_unified)   # the pool's decoder gets its policy from policy_factory
+                    schedule="off", kv_unified=kv_unified, **(offload or {}))   # the pool's decoder gets its policy from policy_factory
     try:
         return BatchedPool(sp, n_max=n_max, policy=policy_factory(sp) if policy_factory else None,
                            slot_similarity=slot_similarity)

@@ -105,13 +105,14 @@ class ScheduledRunner:
 
     def __init__(self, target: str, draft: str, mode: str, *, n_max: int = 7, conf_min: float = 0.5,
                  p_survival_min: float = 0.3, n_ctx: int = 4096, n_threads=None, flash_attn: str = "auto",
-                 n_gpu_layers: int = 0):
+                 n_gpu_layers: int = 0, **offload):
         from pyllama_dspark.decode.loop import Decoder
         from pyllama_dspark.llama.handles import ContextSettings
         from pyllama_dspark.llama.models import open_models
         from pyllama_dspark.spec.policy import VerifyPolicy
 
-        cs = ContextSettings(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers)
+        cs = ContextSettings(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers,
+                             **offload)
         self.target, self.draft, _ = open_models(target, draft, cs)
         try:
             policy = VerifyPolicy(mode=mode, conf_min=conf_min if mode == "static" else 0.0,
