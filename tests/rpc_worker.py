@@ -51,7 +51,9 @@ def law(job):
                     break
             it.close()
             samples.append(got[:1] if sp.target.is_eog(got[0]) else got[:2])
-    return samples
+        markov = getattr(sp.proposer, "_markov", None)
+        backend = markov.backend if markov is not None else None
+    return {"samples": samples, "markov_backend": backend}
 
 
 def features(job):
