@@ -246,3 +246,27 @@ def test_rpc_server_killed_mid_request_ends_serve(target_path, pair, tmp_path):
         assert outcome, outcome
     finally:
         srv.stop()
+
+
+def test_tensor_split_places_the_layers(target_path, pair):
+    """-ts 1,0: every offloaded layer on the first server; 1,1: both get layers (llama.cpp's log)."""
+    for split, want in (("1,0", (True, False)), ("1,1", (True, True))):
+        r = subprocess.run(CLI + ["run", "-m", target_path, "-p", "hi", "-n", "2", "--raw", "-t", "1", "-v", "-ngl", "99",
+                                  "--rpc", _endpoints(pair), "-ts", split],
+                           capture_output=True, text=True, timeout=BOUND_S, cwd=str(ROOT))
+        assert r.returncode == 0, r.stderr[-2000:]
+        got = tuple(f"assigned to device RPC{i}," in r.stderr for i in (0, 1))
+        assert got == want, (split, got)
+
+
+def test_bad_tensor_split_is_a_usage_error():
+    r, _ = _run(["-ts", "1,x"])
+    assert r.returncode == 2 and "-ts" in r.stderr
+
+
+def test_no_loadable_module_says_what_happens(tmp_path):
+    """Only a static ggml-rpc-server (the fallback build): --rpc has no module to load here."""
+    from pyllama_dspark.tools.rpc_build import RpcUnavailable, rpc_module
+
+    with pytest.raises(RpcUnavailable, match="no loadable module"):
+        rpc_module(tmp_path, build=False)
