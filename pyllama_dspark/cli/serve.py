@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -165,6 +166,7 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
         server.run()
     finally:
         pool.close()
+        log.info("main: the models are freed; exiting")
 
 
 def _stopping_server(uvicorn):
@@ -178,6 +180,14 @@ def _stopping_server(uvicorn):
             super().__init__(config)
             self._pool = pool
             self._closer = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's, except that a handled SIGINT / SIGTERM is not raised again on the way
+            out: it asked the server to stop, the server stopped, and exits 0 (as llama-server)."""
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
 
         def handle_exit(self, sig, frame):
             super().handle_exit(sig, frame)
