@@ -111,6 +111,12 @@ class _ModelCtx(Owned):
         self._alive()
         return int(ll.llama_memory_seq_pos_max(self.memory, seq_id))
 
+    def seq_pos_range(self, seq_id: int) -> List[int]:
+        """[smallest, largest] position the memory holds for the sequence ([-1, -1]: none)."""
+        self._alive()
+        return [int(ll.llama_memory_seq_pos_min(self.memory, seq_id)),
+                int(ll.llama_memory_seq_pos_max(self.memory, seq_id))]
+
     def can_resume_at(self, seq_id: int, pos: int) -> bool:
         """Whether the memory still holds what a token at ``pos`` attends to once the positions
         from ``pos`` on are removed.  A sliding-window cache that is not full-size (``swa_full``

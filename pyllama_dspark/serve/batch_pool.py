@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 from pyllama_dspark.decode.cycle import Started
 from pyllama_dspark.decode.cycle import Done
 from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY
-from pyllama_dspark.serve.slots import Cancelled, Job, JobQueue, _deliver, job_request
+from pyllama_dspark.serve.slots import Cancelled, Job, JobQueue, _deliver, job_request, memory_ranges
 from pyllama_dspark.decode.timings import timing_log_lines
 
 log = logging.getLogger("pyllama_dspark.serve.server")
@@ -70,7 +70,8 @@ class BatchedPool(JobQueue):
             by_slot = {j.slot: j for j in self._running.values() if j.slot >= 0}
         cache = self._bd.cache
         return [{"id": i, "n_ctx": self.n_ctx, "is_processing": i in by_slot,
-                 "id_task": by_slot[i].task_id if i in by_slot else -1, "n_cached": cache.n_cached(i)}
+                 "id_task": by_slot[i].task_id if i in by_slot else -1, "n_cached": cache.n_cached(i),
+                 "dspark_memory": self.memory.get(i)}
                 for i in self._bd.slots]
 
     # ---- jobs --------------------------------------------------------------------------------------
@@ -147,7 +148,8 @@ class BatchedPool(JobQueue):
                 why = "cancelled by the client" if job.cancelled else "cancelled: server shutting down"
                 if job.slot >= 0:
                     log.info("slot  cancel_task: id %2d | task %d | %s", job.slot, job.task_id, why)
-                    log.info("slot      release: id %2d | task %d | stop processing", job.slot, job.task_id)
+                    self.memory[job.slot] = memory_ranges(self.sp, job.slot)
+                log.info("slot      release: id %2d | task %d | stop processing", job.slot, job.task_id)
                 _deliver(job, Cancelled("cancelled" if job.cancelled else "server shutting down"))
         if stop or bd.pending() == 0:
             return stop
@@ -172,6 +174,7 @@ class BatchedPool(JobQueue):
             if isinstance(ev, Done):
                 for line in timing_log_lines(job.slot, job.task_id, ev.stats):
                     log.info(line)
+                self.memory[job.slot] = memory_ranges(self.sp, job.slot)
                 log.info("slot      release: id %2d | task %d | stop processing", job.slot, job.task_id)
                 self._count()
             _deliver(job, ev)

@@ -64,6 +64,14 @@ class Job:
         return self.cancel_event.is_set()
 
 
+def memory_ranges(sp, seq: int) -> dict:
+    """[smallest, largest] position the target's and the draft's memories hold for ``seq``
+    (llama.cpp's ``llama_memory_seq_pos_min`` / ``_max``; [-1, -1]: none): read on the slot's own
+    worker thread when a request ends, never under a running decode."""
+    draft = getattr(sp, "draft", None)
+    return {"target": sp.target.seq_pos_range(seq), "draft": draft.seq_pos_range(seq) if draft is not None else None}
+
+
 class JobQueue:
     """What every pool shares: the FIFO of jobs, task ids, counters and the lock over them."""
 
@@ -75,6 +83,8 @@ class JobQueue:
         self.n_cancelled = 0
         self._closed = False
         self._close_done = threading.Event()
+        # per slot: the positions its memories held when its last request ended (GET /slots)
+        self.memory: dict = {}
 
     @property
     def n_queued(self) -> int:
@@ -209,7 +219,8 @@ class SlotPool(JobQueue):
             busy, running = list(self.busy), list(self._running)
         return [{"id": i, "n_ctx": self.n_ctx, "is_processing": busy[i],
                  "id_task": running[i].task_id if running[i] is not None else -1,
-                 "n_cached": 0 if self._held(i) is None else int(self._held(i).size)}
+                 "n_cached": 0 if self._held(i) is None else int(self._held(i).size),
+                 "dspark_memory": self.memory.get(i)}
                 for i in range(len(self.speculators))]
 
     def _held(self, slot: int):
@@ -258,6 +269,7 @@ class SlotPool(JobQueue):
                 log.error("slot   send_error: id %2d | task %d | error: %s", slot, job.task_id, e)
                 _deliver(job, e)
             finally:
+                self.memory[slot] = memory_ranges(sp, 0)
                 with self._slot_free:
                     self.busy[slot] = False
                     self._running[slot] = None
