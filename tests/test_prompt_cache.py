@@ -166,6 +166,13 @@ def test_two_interleaved_conversations_each_keep_their_slot(target_path, llama_r
         assert not errors, errors
         slots = srv.get("/slots").json()
         assert len(slots) == 2
+        # idle, each slot's memories hold what its cache keeps and nothing more (llama.cpp's
+        # llama_memory_seq_pos_min/max, read when its last request ended): positions 0..n_cached-1
+        # in the target, at most those in the draft
+        for sl in slots:
+            n, mem = sl["n_cached"], sl["dspark_memory"]
+            assert n > 0 and mem["target"] == [0, n - 1], sl
+            assert mem["draft"][0] in (0, -1) and mem["draft"][1] <= n - 1, sl
     finally:
         srv.stop()
     excused: list = []
