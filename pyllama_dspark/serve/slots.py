@@ -269,13 +269,21 @@ class SlotPool(JobQueue):
                 log.error("slot   send_error: id %2d | task %d | error: %s", slot, job.task_id, e)
                 _deliver(job, e)
             finally:
-                self.memory[slot] = memory_ranges(sp, 0)
-                with self._slot_free:
-                    self.busy[slot] = False
-                    self._running[slot] = None
-                    self._last_used[slot] = next(self._clock)
-                    self._slot_free.notify_all()
-                log.info("slot      release: id %2d | task %d | stop processing", slot, job.task_id)
+                self._release(sp, slot, job)
+
+    def _release(self, sp, slot: int, job: Job) -> None:
+        """The slot is free for the next job (once per job): before its client gets the Done event,
+        so that a next turn sent at once finds its slot, and its cached prompt, free."""
+        with self._slot_free:
+            if self._running[slot] is not job:
+                return
+        self.memory[slot] = memory_ranges(sp, 0)
+        with self._slot_free:
+            self.busy[slot] = False
+            self._running[slot] = None
+            self._last_used[slot] = next(self._clock)
+            self._slot_free.notify_all()
+        log.info("slot      release: id %2d | task %d | stop processing", slot, job.task_id)
 
     def _run(self, sp, slot: int, job: Job) -> None:
         if job.cancelled:
@@ -299,6 +307,8 @@ class SlotPool(JobQueue):
                     for line in timing_log_lines(slot, job.task_id, ev.stats):
                         log.info(line)
                     self._count()
+                    gen.close()   # the generation's end is final in the memories and the cache
+                    self._release(sp, slot, job)
                 _deliver(job, ev)
         finally:
             gen.close()
