@@ -68,8 +68,10 @@ def memory_ranges(sp, seq: int) -> dict:
     """[smallest, largest] position the target's and the draft's memories hold for ``seq``
     (llama.cpp's ``llama_memory_seq_pos_min`` / ``_max``; [-1, -1]: none): read on the slot's own
     worker thread when a request ends, never under a running decode."""
-    draft = getattr(sp, "draft", None)
-    return {"target": sp.target.seq_pos_range(seq), "draft": draft.seq_pos_range(seq) if draft is not None else None}
+    target, draft = getattr(sp, "target", None), getattr(sp, "draft", None)
+    if not hasattr(target, "seq_pos_range"):   # a stand-in generator (tests) has no memories
+        return None
+    return {"target": target.seq_pos_range(seq), "draft": draft.seq_pos_range(seq) if draft is not None else None}
 
 
 class JobQueue:
