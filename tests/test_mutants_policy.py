@@ -1,0 +1,314 @@
+"""Mutation-score tests for spec/policy.py: VerifyPolicy's running estimates, probes and cuts, and
+policy_for, against values worked out by hand (numbers in the comments)."""
+
+import numpy as np
+import pytest
+
+from pyllama_dspark.spec.policy import ACC_FLOOR, COST_MODES, MODES, VerifyPolicy, policy_for
+from pyllama_dspark.spec.schedule import CostModel
+
+FLAT = CostModel([10.0] * 16)
+NEVER = CostModel([10.0, 100.0], [50.0])        # one more verified token costs 90 ms: never pays
+
+
+def test_constants_and_checks():
+    assert MODES == ("off", "static", "survival", "profiled", "auto") and COST_MODES == ("profiled", "auto")
+    assert ACC_FLOOR == 1e-3
+    with pytest.raises(ValueError, match=r"^schedule must be one of \('off', .*, got 'fast'$"):
+        VerifyPolicy(mode="fast")
+    for m in COST_MODES:
+        with pytest.raises(ValueError, match=f"^the {m} schedule needs a cost profile$"):
+            VerifyPolicy(mode=m)
+    for kw in (dict(conf_min=1.1), dict(conf_min=-0.1), dict(p_survival_min=1.5), dict(p_survival_min=-1.0)):
+        with pytest.raises(ValueError, match=r"^conf_min and p_survival_min must be in \[0, 1\]$"):
+            VerifyPolicy(mode="static", **kw)
+    VerifyPolicy(mode="static", conf_min=1.0, p_survival_min=0.0)
+    VerifyPolicy(mode="static", conf_min=0.0, p_survival_min=1.0)
+    p = VerifyPolicy(mode="auto", cost=FLAT, gamma=3, probe_every=5)
+    assert p._acc.tolist() == [0.9, 0.9, 0.9] and p._n.tolist() == [0, 0, 0] and p._probe_gap == 5
+    assert p._hit_sum.tolist() == [0, 0, 0] and p._conf_sum.tolist() == [0, 0, 0]
+    d = VerifyPolicy()
+    assert (d.mode, d.conf_min, d.p_survival_min, d.gamma, d.ema, d.probe_every, d.probe_budget, d.learn_costs) == \
+        ("off", 0.0, 0.0, 7, 0.1, 16, 0.01, True)
+    assert [VerifyPolicy(mode=m, cost=FLAT).needs_confidence for m in MODES] == [False, True, True, True, False]
+    assert [VerifyPolicy(mode=m, cost=FLAT).uses_cost for m in MODES] == [False, False, False, True, True]
+
+
+def test_calibrated():
+    p = VerifyPolicy(mode="static")
+    assert p.calibrated([0.8]).tolist() == [0.8]
+    p = VerifyPolicy(mode="static", temperatures=[2.0])
+    assert p.calibrated(np.array([0.8, 0.8])) == pytest.approx([2 / 3, 0.8])
+    assert p.calibrated(np.array([])).size == 0
+
+
+def test_observe_draft_and_estimate():
+    p = VerifyPolicy(mode="auto", cost=FLAT)
+    assert p.draft_estimate(1) is None
+    v = p._version
+    for bad in ((0, 5.0), (-1, 5.0), (1, float("nan")), (1, float("inf")), (1, -1.0)):
+        p.observe_draft(*bad)
+    assert p._draft_ms == {} and p._version == v
+    p.observe_draft(1, 10.0)
+    assert p._draft_ms == {1: 10.0} and p._version == v + 1
+    p.observe_draft(1, 20.0)                      # 10 + 0.2 * (20 - 10)
+    assert p._draft_ms[1] == pytest.approx(12.0) and p._version == v + 2
+    p.observe_draft(1, 0.0)
+    assert p._draft_ms[1] == pytest.approx(9.6)
+    p.observe_draft(4, 20.0)
+    assert p.draft_estimate(1) == pytest.approx(9.6) and p.draft_estimate(4) == 20.0
+    assert p.draft_estimate(2) == pytest.approx(9.6 * 2)        # nearest: R = 1
+    assert p.draft_estimate(3) == pytest.approx(20.0 * 3 / 4)   # nearest: R = 4
+    assert p.draft_estimate(8) == pytest.approx(40.0)
+    q = VerifyPolicy(mode="auto", cost=FLAT, learn_costs=False)
+    q.observe_draft(1, 10.0)
+    assert q._draft_ms == {} and q.draft_estimate(1) is None
+
+
+def test_want_draft_learns_pays_and_probes():
+    assert VerifyPolicy().want_draft(1) and VerifyPolicy(mode="static").want_draft(3)
+    p = VerifyPolicy(mode="auto", cost=NEVER)
+    assert p.want_draft(1) and not p._probing     # nothing measured yet: one pass to learn the cost
+    p = VerifyPolicy(mode="auto", cost=FLAT, learn_costs=False)
+    assert all(p.want_draft(r) for r in (1, 2, 0)) and p._skipped == 0
+    # never pays; probes every 2, then 4, 8, ... cycles (the budget gap: ceil(140 / (100 * 10)) = 1)
+    p = VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False, probe_every=2, probe_budget=100.0)
+    got = [p.want_draft(1) for _ in range(16)]
+    assert got == [False, True] + [False] * 3 + [True] + [False] * 7 + [True] + [False] * 2
+    assert p._probe_gap == 16 and p._skipped == 2
+    for _ in range(200):
+        p.want_draft(1)
+    assert p._probe_gap == 32                      # capped at 16 * probe_every
+    p = VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False, probe_every=0)
+    assert not any(p.want_draft(1) for _ in range(50))
+    # a probe marks the cycle
+    p = VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False, probe_every=1, probe_budget=100.0)
+    assert p.want_draft(1) and p._probing
+    assert not p.want_draft(1) and not p._probing
+
+
+def test_budget_gap_by_hand():
+    # probe = draft 50 + t(2) - t(1) = 140 ms; gap = ceil(140 / (0.01 * 10)) = 1400
+    p = VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False)
+    assert p._budget_gap(1) == 1400 and p._budget_gap(0) == 1400
+    assert p._gaps[1] == (p._version, 1400)
+    p = VerifyPolicy(mode="auto", cost=NEVER, probe_budget=0.5)
+    p.observe_draft(1, 10.0)                       # measured 10 ms: ceil(100 / 5) = 20
+    assert p._budget_gap(1) == 20
+    p.observe_draft(1, 60.0)                       # 10 + 0.2 * 50 = 20: ceil(110 / 5) = 22
+    assert p._budget_gap(1) == 22
+    # a sub-millisecond decode: probe 0.1 + 0.1 ms over 1% of 0.5 ms = 40 cycles
+    sub = VerifyPolicy(mode="auto", cost=CostModel([0.5, 0.6], [0.1]), learn_costs=False)
+    assert sub._budget_gap(1) == 40
+    q = VerifyPolicy(mode="auto", cost=CostModel([10.0, 10.0]), learn_costs=False)
+    assert q._budget_gap(1) == 0                   # a free probe
+    z = VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False, probe_budget=0.0)
+    assert z._budget_gap(1) in (14_000_000, 14_000_001)   # budget floored at 1e-6 (ceil of 1.4e7 + rounding)
+    # R = 2: t_draft(2) = 100, t(4) = 100 + 90 * 2 = 280, t(2) = 100: 280 / (0.01 * 100) = 280
+    assert p._budget_gap.__self__ is p and VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False)._budget_gap(2) == 280
+
+
+def test_pays_now_follows_the_running_estimates():
+    # a 10 ms verify, draft 12 ms: with acceptance 0.9 everywhere drafting pays; after misses it does not
+    cost = CostModel([10.0] * 8 + [10.0], [12.0])
+    p = VerifyPolicy(mode="auto", cost=cost, learn_costs=False, gamma=4)
+    assert p._pays_now(1) and p.want_draft(1) and p._probe_gap == 16
+    assert p._pays[1] == (p._version, True)
+    for _ in range(40):
+        p.update(1, 0)
+    assert not p._pays_now(1) and not p.want_draft(1)
+    p._pays[1] = (p._version, True)                # cached per version
+    # the measured draft pass counts: free in the profile, 1 s measured
+    m = VerifyPolicy(mode="auto", cost=CostModel([10.0, 10.0]))
+    assert m._pays_now(1)
+    m.observe_draft(1, 1000.0)
+    assert not m._pays_now(1)
+    assert p._pays_now(1)
+
+
+def test_lengths_static_survival_off():
+    off = VerifyPolicy()
+    assert off.lengths([None, None], [3, 0]) == [3, 0]
+    st = VerifyPolicy(mode="static", conf_min=0.5)
+    assert st.lengths([None], [0]) == [0]
+    assert st.lengths([np.array([0.9, 0.6, 0.4, 0.9]), None, np.array([0.3])], [4, 0, 1]) == [2, 0, 0]
+    assert st.lengths([np.array([0.9, 0.6, 0.9, 0.4])], [3]) == [3]     # only the drafted part counts
+    with pytest.raises(ValueError, match="^the static schedule needs a draft with a confidence head$"):
+        st.lengths([None], [2])
+    sv = VerifyPolicy(mode="survival", p_survival_min=0.25)
+    assert sv.lengths([np.array([0.5, 0.5, 0.5])], [3]) == [2]
+    with pytest.raises(ValueError, match="^the survival schedule needs a draft with a confidence head$"):
+        sv.lengths([None], [1])
+    cal = VerifyPolicy(mode="static", conf_min=0.7, temperatures=[2.0])     # 0.8 -> 2/3 < 0.7
+    assert cal.lengths([np.array([0.8, 0.9])], [2]) == [0]
+
+
+def test_lengths_profiled_and_auto():
+    cost = CostModel([10, 10, 10, 20, 40, 80])
+    pr = VerifyPolicy(mode="profiled", cost=cost, learn_costs=False)
+    with pytest.raises(ValueError, match="^the profiled schedule needs a draft with a confidence head$"):
+        pr.lengths([None], [2])
+    # ratio (0 + 1) / (0 + 1) = 1: survivals 0.9, 0.72, 0.072: 190, 262, then 2.692 / 0.02 < 262
+    assert pr.lengths([np.array([0.9, 0.8, 0.1])], [3]) == [2]
+    # R = 2 (the second request's anchor row is in the batch): 200, 2.9 / 0.01 = 290, then B = 4 costs 20 ms
+    assert pr.lengths([np.array([0.9, 0.8, 0.1]), None], [3, 0]) == [1, 0]
+    assert pr.lengths([None], [0]) == [0]
+    assert pr.lengths([None, np.array([0.9, 0.8, 0.1])], [0, 3]) == [0, 1]   # R = 2 as above, the other order
+    au = VerifyPolicy(mode="auto", cost=cost, learn_costs=False, gamma=2)
+    au._acc[:] = [0.9, 0.1]
+    # no confidence head: running acceptance 0.9, 0.1, then the last one repeated: survivals 0.9, 0.09, 0.009:
+    # 190, 1.99 / 0.01 = 199, then B = 4 (20 ms): 2.0 / 0.02 = 100
+    assert au.lengths([None], [3]) == [2]
+
+    au._acc[:] = [0.9, 0.9]
+    assert au.lengths([None], [4]) == [2]         # 190, 271, then 3.439 / 0.02 = 172 (B = 4: 20 ms)
+    assert au.lengths([None, None], [1, 1]) == [1, 0]   # 2 / 0.01 = 200, 2.9 / 0.01 = 290, 3.8 / 0.02 = 190
+    # beyond gamma the last running acceptance repeats: 0.9, 0.8, 0.5, then 0.5 again: survivals 0.9, 0.72,
+    # 0.36, 0.18; B = 5 costs 10.805 ms: 3.16 / 0.010805 = 292 < 2.98 / 0.01 = 298 (0.8 repeated would pay)
+    g3 = VerifyPolicy(mode="auto", cost=CostModel([10, 10, 10, 10, 10.805]), learn_costs=False, gamma=3)
+    g3._acc[:] = [0.9, 0.8, 0.5]
+    assert g3.lengths([None], [4]) == [3]
+    g3._acc[:] = [0.9, 0.8, 0.8]
+    assert g3.lengths([None], [4]) == [4]         # 0.9, 0.72, 0.576, 0.46: 3.657 / 0.010805 = 338 > 319.6
+    assert VerifyPolicy(mode="auto", cost=CostModel([10, 10, 10, 10, 10.805]), learn_costs=False,
+                        gamma=3).lengths([None], [4]) == [4]   # 0.9 everywhere
+    # a probe verifies at least one token of every drafted block
+    nv = VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False, probe_every=1, probe_budget=100.0)
+    assert nv.lengths([np.array([0.9])], [1]) == [0]
+    assert nv.want_draft(1) and nv._probing
+    assert nv.lengths([np.array([0.9]), None], [1, 0]) == [1, 0] and not nv._probing
+    assert nv.lengths([np.array([0.9])], [1]) == [0]
+    # the learned draft cost is part of Theta: t(1) = 10, t(2) = 20; without a draft cost 1.9 / 0.02 = 95 < 100
+    le = VerifyPolicy(mode="profiled", cost=CostModel([10.0, 20.0]))
+    assert le.lengths([np.array([0.9])], [1]) == [0]
+    le.observe_draft(1, 10.0)                     # 1 / 0.02 = 50 < 1.9 / 0.03 = 63
+    assert le.lengths([np.array([0.9])], [1]) == [1]
+    # two blocks: the R = 2 estimate (scaled from R = 1: 20 ms): 2 / 0.04 = 50, 2.9 / 0.05, 3.8 / 0.06
+    assert le.lengths([np.array([0.9]), np.array([0.9])], [1, 1]) == [1, 1]
+    le.observe_draft(2, 0.0)                      # measured free at R = 2: 2 / 0.02 = 100 > 2.9 / 0.03, 3.8 / 0.04
+    assert le.lengths([np.array([0.9]), np.array([0.9])], [1, 1]) == [0, 0]
+    assert le.lengths([np.array([0.9]), None], [1, 0]) == [1, 0]   # one block: the R = 1 estimate (10 ms)
+
+
+def test_update_and_corrected_by_hand():
+    p = VerifyPolicy(mode="auto", cost=FLAT, gamma=3)
+    v = p._version
+    p.update(3, 1, np.array([0.5, 0.6, 0.7]))
+    # k = 0: hit, rate max(0.1, 1/2): 0.9 + 0.5 * 0.1 = 0.95; k = 1: miss: 0.9 - 0.5 * 0.9 = 0.45; k = 2 not tried
+    assert p._acc.tolist() == pytest.approx([0.95, 0.45, 0.9])
+    assert p._n.tolist() == [1, 1, 0] and p._version == v + 2
+    assert p._hit_sum.tolist() == pytest.approx([1.0, 0.0, 0.0]) and p._conf_sum.tolist() == pytest.approx([0.5, 0.6, 0])
+    assert (p._cycles, p._verified, p._draft_cycles) == (1, 3, 1)
+    # ratios (1 + 1) / (0.5 + 1), 1 / 1.6, 1 / 1
+    assert p.corrected(np.array([0.5, 0.5, 0.5, 0.5])) == pytest.approx([2 / 3, 0.3125, 0.5, 0.5])
+    assert p.corrected(np.array([0.9])) == pytest.approx([1.0])          # clipped at 1
+    p.update(2, 2, np.array([1.0, 1.0]))
+    # k = 0: rate max(0.1, 1/3): 0.95 + 0.05 / 3; sums decay by 0.97
+    assert p._acc[0] == pytest.approx(0.95 + 0.05 / 3) and p._acc[1] == pytest.approx(0.45 + 0.55 / 3)
+    assert p._hit_sum[:2].tolist() == pytest.approx([1.97, 1.0]) and p._conf_sum[:2].tolist() == pytest.approx([1.485, 1.582])
+    p.update(0, 0)
+    assert (p._cycles, p._verified, p._draft_cycles) == (3, 5, 2)
+    # without confidences the sums stay; beyond gamma nothing is counted
+    q = VerifyPolicy(mode="auto", cost=FLAT, gamma=2, ema=0.5)
+    q.update(5, 5)
+    assert q._n.tolist() == [1, 1] and q._hit_sum.tolist() == [0, 0] and q._acc.tolist() == pytest.approx([0.95, 0.95])
+    q.update(2, 2, np.array([0.2]))                # fewer confidences than verified drafts: the rest uncounted
+    assert q._conf_sum.tolist() == pytest.approx([0.2, 0.0])
+    q._conf_sum[:] = 0.0
+    q.update(1, 1, np.array([0.2, 0.3]))           # only the verified confidences count
+    assert q._conf_sum.tolist() == pytest.approx([0.2, 0.0])
+    for _ in range(100):
+        q.update(1, 0)
+    assert q._acc[0] == ACC_FLOOR
+    # ema wins once 1 / (n + 1) is below it
+    r = VerifyPolicy(mode="auto", cost=FLAT, gamma=1, ema=0.3)
+    for _ in range(3):
+        r.update(1, 1)
+    r._acc[0] = 0.5
+    r.update(1, 0)                                  # rate max(0.3, 1/5) = 0.3
+    assert r._acc[0] == pytest.approx(0.35)
+    assert VerifyPolicy(mode="static").corrected(np.array([0.5])).tolist() == [0.5]
+    assert p.corrected(np.array([])).size == 0
+    # calibrated confidences are what the sums see
+    s = VerifyPolicy(mode="auto", cost=FLAT, gamma=1, temperatures=[2.0])
+    s.update(1, 1, np.array([0.8]))
+    assert s._conf_sum[0] == pytest.approx(2 / 3)
+
+
+def test_summary_lines():
+    assert VerifyPolicy().summary([3, 3]) == "schedule off: every drafted token verified (llama.cpp's fixed block)"
+    st = VerifyPolicy(mode="static", conf_min=0.5)
+    assert st.summary([3, 0, 1]) == "schedule static: verified 1.33 drafts/cycle (2 of 3 cycles verified drafts)"
+    assert st.summary([]) == "schedule static: verified 0.00 drafts/cycle (0 of 0 cycles verified drafts)"
+    st.update(2, 1)
+    st.update(0, 0)
+    assert st.summary() == "schedule static: verified 1.00 drafts/cycle (1 of 2 cycles verified drafts)"
+    cost = CostModel([10.0] * 7 + [40.0], [5.0])
+    au = VerifyPolicy(mode="auto", cost=cost)
+    tail = (": on this machine verifying 7 drafts costs 4.0 target steps and a draft pass 0.5, and the draft's "
+            "acceptance does not cover it (--schedule off forces the fixed block)")
+    assert au.summary([0, 0, 1]) == "schedule auto: verified 0.33 drafts/cycle (1 of 3 cycles verified drafts)" + tail
+    assert au.summary([1, 0]) == "schedule auto: verified 0.50 drafts/cycle (1 of 2 cycles verified drafts)"
+    assert au.summary([]) == "schedule auto: verified 0.00 drafts/cycle (0 of 0 cycles verified drafts)"
+    au.observe_draft(1, 20.0)
+    assert au.summary([0]).endswith("costs 4.0 target steps and a draft pass 2.0, and the draft's acceptance does "
+                                    "not cover it (--schedule off forces the fixed block)")
+    assert st.summary([3]) == "schedule static: verified 3.00 drafts/cycle (1 of 1 cycles verified drafts)"
+    c2 = CostModel([10.0, 20.0, 30.0, 40.0], [5.0])
+    t2 = VerifyPolicy(mode="auto", cost=c2, gamma=3)
+    assert t2.summary([0]).endswith(": on this machine verifying 3 drafts costs 4.0 target steps and a draft pass 0.5, "
+                                    "and the draft's acceptance does not cover it (--schedule off forces the fixed block)")
+    g = VerifyPolicy(mode="profiled", cost=cost, gamma=3)
+    assert "verifying 3 drafts costs 1.0 target steps" in g.summary([0])
+
+
+class Profile:
+    def __init__(self, fixed):
+        self.fixed = fixed
+
+    def cost_model(self):
+        return FLAT
+
+
+def test_policy_for():
+    assert policy_for("off", has_draft=True, has_confidence=True) is None
+    assert policy_for(None, has_draft=False, has_confidence=False) is None
+    assert policy_for("auto", has_draft=False, has_confidence=False) is None
+    for m in ("static", "survival", "profiled"):
+        with pytest.raises(ValueError, match=f"^the {m} schedule needs a draft$"):
+            policy_for(m, has_draft=False, has_confidence=True)
+        with pytest.raises(ValueError, match=f"^the {m} schedule needs a draft with a confidence head \\(use auto or off\\)$"):
+            policy_for(m, has_draft=True, has_confidence=False)
+    with pytest.raises(ValueError, match=r"^schedule must be one of \('off', 'static', 'survival', 'profiled', 'auto'\), got 'x'$"):
+        policy_for("x", has_draft=True, has_confidence=True)
+    with pytest.raises(ValueError, match="^the static schedule needs conf_min$"):
+        policy_for("static", has_draft=True, has_confidence=True)
+    with pytest.raises(ValueError, match="^the survival schedule needs p_survival_min$"):
+        policy_for("survival", has_draft=True, has_confidence=True)
+    with pytest.raises(ValueError, match="^the auto schedule needs a cost profile$"):
+        policy_for(None, has_draft=True, has_confidence=False)
+    with pytest.raises(ValueError, match="^the profiled schedule needs a cost profile$"):
+        policy_for("profiled", has_draft=True, has_confidence=True, cost_source=lambda: None)
+    p = policy_for(None, has_draft=True, has_confidence=True, conf_min=0.4, p_survival_min=0.2, gamma=5,
+                   temperatures=[1.5])
+    assert (p.mode, p.conf_min, p.p_survival_min, p.gamma, p.temperatures, p.cost) == ("static", 0.4, 0.2, 5, [1.5], None)
+    p = policy_for(None, has_draft=True, has_confidence=True, p_survival_min=0.2)
+    assert (p.mode, p.conf_min, p.p_survival_min, p.gamma) == ("survival", 0.0, 0.2, 7)
+    calls = []
+    p = policy_for(None, has_draft=True, has_confidence=False, cost_source=lambda: calls.append(1) or FLAT)
+    assert p.mode == "auto" and p.cost is FLAT and p.learn_costs and calls == [1]
+    assert p.conf_min == 0.0 and p.p_survival_min == 0.0
+    assert policy_for("static", has_draft=True, has_confidence=True, conf_min=0.5,
+                      cost_source=lambda: calls.append(2)).cost is None and calls == [1]
+    p = policy_for("auto", has_draft=True, has_confidence=True, cost_source=Profile(True))
+    assert p.cost is FLAT and not p.learn_costs
+    p = policy_for("profiled", has_draft=True, has_confidence=True, cost_source=Profile(False))
+    assert p.cost is FLAT and p.learn_costs and p.mode == "profiled"
+    assert policy_for("auto", has_draft=True, has_confidence=True, cost_source=FLAT).learn_costs
+
+    class Unfixed:
+        def cost_model(self):
+            return FLAT
+
+    p = policy_for("auto", has_draft=True, has_confidence=True, cost_source=Unfixed())
+    assert p.cost is FLAT and p.learn_costs
