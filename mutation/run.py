@@ -4,7 +4,8 @@
     python mutation/run.py --before        # the same without tests/test_mutants_*.py
     python mutation/run.py verify policy   # some modules only
     python mutation/run.py --budget 600    # wall-clock seconds per module (default 900)
-    PYLLAMA_MUT_LOOP_EVERY=1 python mutation/run.py loop   # every loop mutant, not every 3rd (~20 min)
+    python mutation/run.py loop            # loop.py's accept / roll back block, fresh process per mutant
+    PYLLAMA_MUT_LOOP_EVERY=1 python mutation/run.py loop   # every one of its 170 mutants, not every 8th (~2 h)
 
 Tool: mutmut 3 (installed into a private venv, /tmp/pyllama-mut/venv, when missing).  It rewrites
 every function of a module into a trampoline over its mutants, forks one warm pytest process per
@@ -16,11 +17,15 @@ package first on sys.path and find the native shim through the installed copy (s
 
 Score = killed / (killed + survived); a mutant whose tests time out (an infinite loop) counts as
 killed, "no tests" (no selected test reaches the function) as survived, "not checked" (budget
-ran out) is left out and printed.  decode/loop.py: only the mutants of ``Decoder.step`` whose
-mutated line lies in the accept / roll back block ("# 4-6. accept" .. before ``t3 = clock()``)
-are run and scored -- but see docs/reliability-mutation.md: its forked workers hung on the model
-(llama.cpp's threads and fork), so that module has no score yet.  Survivors are listed with their line and diff under each score;
-mutation/survivors.md explains the ones that remain.
+ran out) is left out and printed.  decode/loop.py: mutmut's forked workers hang on the model
+(llama.cpp's threads do not survive a fork), so for that module mutmut only GENERATES the mutants
+(no stats run, no fork); the mutants of ``Decoder.step`` whose mutated line lies in the accept /
+roll back block ("# 4-6. accept" .. before ``t3 = clock()``) are then run one FRESH
+``python -m pytest -x`` process each (``MUTANT_UNDER_TEST=<name>`` picks the mutant in mutmut's
+trampolines), one at a time, with a per-mutant timeout (a timeout counts as killed).  Every
+PYLLAMA_MUT_LOOP_EVERY-th mutant of the block (default 8, a sample; each run loads the real model,
+~15-45 s killed, ~220 s survived, on 2 loaded cores).  Survivors are listed with their line and
+diff under each score; mutation/survivors.md explains the ones that remain.
 """
 
 from __future__ import annotations
@@ -63,8 +68,10 @@ MODULES = {
 # fonts, labels): what it draws is looked at, it decides nothing (see mutation/survivors.md)
 EXCLUDE = {"calibration": ["x_reliability_png"]}
 LOOP_FUNC = "xǁDecoderǁstep"
-LOOP_EVERY = int(os.environ.get("PYLLAMA_MUT_LOOP_EVERY", "3"))   # every 3rd mutant of the block (a sample):
-# each loop mutant runs the real model (5-20 s); all of them take ~20 min on 2 cores
+LOOP_EVERY = int(os.environ.get("PYLLAMA_MUT_LOOP_EVERY", "8"))   # every 8th mutant of the block (a sample):
+# each loop mutant is a fresh pytest that loads the real model: ~15-45 s killed, ~220 s survived (2 loaded cores)
+# seconds per loop mutant: a surviving one runs all its tests, ~220 s on 2 loaded cores (timeout = killed)
+LOOP_TIMEOUT = float(os.environ.get("PYLLAMA_MUT_LOOP_TIMEOUT", "480"))
 LOOP_START, LOOP_END = "# 4-6. accept, inject / roll back, emit", "t3 = clock()"
 
 
@@ -156,6 +163,40 @@ def loop_range(dst: Path) -> tuple:
     return a, b - 1
 
 
+GEN_ONLY = """from pathlib import Path
+from mutmut.__main__ import (copy_also_copy_files, copy_src_dir, create_mutants, set_mutant_under_test,
+                             setup_source_paths, store_lines_covered_by_tests)
+set_mutant_under_test("mutant_generation")
+Path("mutants").mkdir(exist_ok=True)
+copy_src_dir(); copy_also_copy_files(); setup_source_paths(); store_lines_covered_by_tests(); create_mutants(1)
+"""
+
+
+def run_fresh(dst: Path, names: list, tests: list, budget: float, t0: float) -> dict:
+    """One fresh ``python -m pytest -x`` per mutant in dst/mutants (no fork after the model loaded)."""
+    status = {}
+    cmd = [str(VENV / "bin" / "python"), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+           "-o", "addopts=", *(f"tests/{t}" for t in tests)]
+    for i, k in enumerate(names):
+        left = budget - (time.perf_counter() - t0)
+        if left < 30:
+            break
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", MUTANT_UNDER_TEST=k)
+        ts = time.perf_counter()
+        p = subprocess.Popen(cmd, cwd=dst / "mutants", env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = p.wait(timeout=min(LOOP_TIMEOUT, left))
+            status[k] = "survived" if rc == 0 else "killed"
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            status[k] = "timeout" if LOOP_TIMEOUT <= left else "not checked"
+        print(f"  [{i + 1}/{len(names)}] {status[k]:9s} {time.perf_counter() - ts:5.0f} s  {k.rsplit('.', 1)[-1]}",
+              flush=True)
+    return status
+
+
 def results(dst: Path) -> dict:
     out = subprocess.run([str(MUTMUT), "results", "--all", "true"], cwd=dst, capture_output=True, text=True).stdout
     return dict(m.groups() for m in re.finditer(r"^\s+(\S+): (.+)$", out, re.M))
@@ -171,32 +212,41 @@ def run_module(name: str, before: bool, budget: float) -> dict:
     t0 = time.perf_counter()
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     names = []
-    if name == "loop" or name in EXCLUDE:
+    if name == "loop":   # generate only, then a fresh pytest per mutant of the block
+        subprocess.run([str(VENV / "bin" / "python"), "-c", GEN_ONLY], cwd=dst, env=env, check=True,
+                       capture_output=True)
+        lines = mutant_lines(dst, path)
+        a, b = loop_range(dst)
+        names = [k for k, (ln, _) in lines.items() if f".{LOOP_FUNC}__" in k and a <= ln <= b]
+        print(f"[loop] {len(names)} mutants in lines {a}-{b}, every {LOOP_EVERY}th run", flush=True)
+        names = sorted(names, key=lambda k: int(k.rsplit("_", 1)[1]))[::LOOP_EVERY]
+        # tests/test_mutants_loop.py first: -x stops a killed mutant at its first failure
+        status = run_fresh(dst, names, sorted(tests, key=lambda t: not t.startswith("test_mutants_")), budget, t0)
+    elif name in EXCLUDE:
         # generate the mutants and the test stats without running any, then run the chosen ones
         subprocess.run([str(MUTMUT), "run", "--max-children", "1", "none-selected"], cwd=dst, env=env,
                        capture_output=True, timeout=budget)
         lines = mutant_lines(dst, path)
-        if name == "loop":
-            a, b = loop_range(dst)
-            names = [k for k, (ln, _) in lines.items() if f".{LOOP_FUNC}__" in k and a <= ln <= b]
-            names = sorted(names, key=lambda k: int(k.rsplit("_", 1)[1]))[::LOOP_EVERY]
-        else:
-            names = [k for k in lines if not any(f".{f}__mutmut_" in k for f in EXCLUDE[name])]
-    with open(dst / "mutmut.log", "w") as log:   # its own process group: a spent budget stops every child
-        p = subprocess.Popen([str(MUTMUT), "run", "--max-children", "1", *names], cwd=dst, env=env, stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            p.wait(timeout=max(1.0, budget - (time.perf_counter() - t0)))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGTERM)
+        names = [k for k in lines if not any(f".{f}__mutmut_" in k for f in EXCLUDE[name])]
+    if name != "loop":
+        with open(dst / "mutmut.log", "w") as log:   # its own process group: a spent budget stops every child
+            p = subprocess.Popen([str(MUTMUT), "run", "--max-children", "1", *names], cwd=dst, env=env, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                p.wait(timeout=20)
+                p.wait(timeout=max(1.0, budget - (time.perf_counter() - t0)))
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            print(f"[{name}] budget of {budget:.0f} s spent: the unchecked mutants are left out", flush=True)
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                print(f"[{name}] budget of {budget:.0f} s spent: the unchecked mutants are left out", flush=True)
     secs = time.perf_counter() - t0
-    status = results(dst)
+    if name == "loop":
+        status.update({k: "not checked" for k in names if k not in status})
+    else:
+        status = results(dst)
     lines = mutant_lines(dst, path)
     if names:
         status = {k: v for k, v in status.items() if k in set(names)}

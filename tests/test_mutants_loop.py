@@ -38,6 +38,94 @@ def _gen(sp, prompt, ref, n, error_at, sampling=None, stop=()):
         sp.decoder.proposer = NoDraft()
 
 
+class _Recorder(OracleProposer):
+    """The oracle, recording what the loop tells a proposer (a real drafter's memory follows these)."""
+
+    def __init__(self, *a, **kw):
+        self.calls = []
+        super().__init__(*a, **kw)
+
+    def observe(self, row0, n, pos0, seq_id=0):
+        self.calls.append(("observe", row0, n, pos0, seq_id))
+
+    def observe_later(self, row0, n, pos0, seq_id=0):
+        self.calls.append(("later", row0, n, pos0, seq_id))
+
+    def rollback(self, p0, seq_id=0):
+        self.calls.append(("rollback", p0, seq_id))
+
+
+def _expected_calls(p0, ks, accs, seq=0):
+    """By hand: a cycle at anchor position p with k drafts shows the proposer its k + 1 verify rows
+    (row 0 on: one request), or its one row later when it drafted nothing; a rejection at n_acc < k
+    drops positions p + n_acc + 1 on; the next anchor sits at p + n_acc + 1."""
+    out, p = [], p0
+    for k, a in zip(ks, accs):
+        out.append(("observe", 0, k + 1, p, seq) if k else ("later", 0, 1, p, seq))
+        if a < k:
+            out.append(("rollback", p + a + 1, seq))
+        p += a + 1
+    return out
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_proposer_memory_ties_records_and_probs(sp, prompt_ref, sampled):
+    """12 tokens, errors at [1, None]: cycles of 2 and 8 tokens, then one left (a cycle without
+    drafts).  Checks the proposer's observe / observe_later / rollback calls, near_ties with
+    tie_eps = inf (every verified row counts), decoder.records (only when record is on), and
+    n_probs (each token's pre-sampling probability: with top_k = 1 / greedy, the largest)."""
+    prompt, ref = prompt_ref
+    sampling = SamplingParams(temperature=0.9, top_k=1, seed=3) if sampled else None
+    loop = sp.decoder.loop   # the Decoder under the Speculator
+    rec = _Recorder(list(prompt) + list(ref), sp.target.n_vocab, error_at=[1, None])
+    sp.decoder.proposer = rec
+    tie_eps, loop.tie_eps, loop.record, loop.records = loop.tie_eps, float("inf"), not sampled, []
+    try:
+        done = sp.generate(prompt, 12, sampling=sampling, n_probs=2)
+    finally:
+        sp.decoder.proposer, loop.tie_eps, loop.record = NoDraft(), tie_eps, False
+    records, loop.records = loop.records, []
+    s = done.stats
+    ks, accs = s.verify_lengths, s.cycle_accepted
+    assert done.tokens == ref[:12] and done.finish_reason == "length"
+    assert 0 in ks and any(a < k for k, a in zip(ks, accs)), (ks, accs)
+    exp = _expected_calls(len(prompt), ks, accs)
+    assert rec.calls[-len(exp):] == exp
+    assert 1 + sum(a + 1 for a in accs) == 12
+    if not sampled:
+        assert s.near_ties == sum(a + 1 for a in accs)
+        assert [(r[1], r[2]) for r in records] == [(k, a) for k, a in zip(ks, accs) if k]
+        assert all(len(r[0]) >= r[1] for r in records)
+    else:
+        assert records == []
+    assert len(done.probs) == 12
+    for t, p in zip(done.tokens, done.probs):
+        assert p.id == t and len(p.top) == 2 and 0.0 < p.prob <= 1.0
+        assert p.prob == pytest.approx(max(v for _, v in p.top))
+
+
+@pytest.fixture(scope="module")
+def eos_ref(sp, target_path):
+    prompt = sp.chat_prompt([{"role": "user", "content": "What is 2+2? Answer with just the number."}]).tokens
+    llm = open_llama(target_path)
+    try:
+        return prompt, greedy(llm, prompt, 64)
+    finally:
+        llm.close()
+
+
+def test_eos_inside_a_block_is_not_counted_accepted(sp, eos_ref):
+    """llama.cpp's rule: an accepted EOS that is not the block's last draft ends acceptance there
+    and is emitted as the target's token, so every token is the prefill's or one of a cycle's
+    n_acc + 1 (an EOS accepted as a draft would count one token more than was emitted).  The
+    reference is 8 tokens: an error at 3 in the first block puts the EOS at draft 2 of the second."""
+    prompt, ref = eos_ref
+    assert sp.target.is_eog(ref[-1]) and len(ref) == 8, "written for an 8-token answer that ends with EOS"
+    done, _ = _gen(sp, prompt, ref, 64, [3, None])
+    assert done.tokens == ref and done.finish_reason == "stop"
+    assert 1 + sum(a + 1 for a in done.stats.cycle_accepted) == len(ref)
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_planted_errors_accept_exactly_their_index(sp, prompt_ref, sampled):
     prompt, ref = prompt_ref
@@ -64,3 +152,4 @@ def test_sampled_rejections_then_max_tokens_inside_a_block(sp, prompt_ref):
     done, _ = _gen(sp, prompt, ref, 13, [1], sampling)
     assert done.tokens == ref[:13] and done.finish_reason == "length"
     assert done.stats.cycle_accepted[:-1] == [1] * (len(done.stats.cycle_accepted) - 1)
+
