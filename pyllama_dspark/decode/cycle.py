@@ -180,6 +180,9 @@ class TextStream:
 
     def push(self, token: int) -> None:
         self.text += self.dec.decode(self.pieces[token])
+        self._find_stop()
+
+    def _find_stop(self) -> None:
         if self.stop:
             start = max(0, self.sent - self.hold - 1)
             hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
@@ -190,7 +193,10 @@ class TextStream:
 
     def flush(self, final: bool = False) -> str:
         if final and not self.stopped:
+            # an incomplete UTF-8 sequence held back at the end becomes U+FFFD, which may complete
+            # a stop string like any other text
             self.text += self.dec.decode(b"", final=True)
+            self._find_stop()
         end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self.hold)
         out = self.text[self.sent:end]
         self.sent = end

@@ -176,6 +176,10 @@ class Decoder:
         self._queue.append(s)
         return s.rid
 
+    def free_slots(self) -> List[int]:
+        """The slots no admitted request holds (a copy: safe to read from another thread)."""
+        return list(self._free)
+
     def cancel(self, rid: int) -> bool:
         """Drop a queued or running request (its slot is free for the next step); False if unknown."""
         for s in list(self._queue):
@@ -258,6 +262,8 @@ class Decoder:
 
     def _finish(self, s: Request) -> None:
         tail = s.text.flush(final=True)
+        if s.text.stopped:   # (also a stop string completed by the final flush)
+            s.finish = "stop"
         s.stats.n_generated = len(s.out)
         if self._policy is not None and self._prop is not None:
             s.stats.schedule = self._policy.summary(s.stats.verify_lengths)

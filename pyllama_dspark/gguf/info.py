@@ -42,6 +42,7 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 
 from pyllama_dspark.errors import DraftMismatchError, UnsupportedArchError
+from pyllama_dspark.gguf.hparams import check_hparams, check_tensor_types
 from pyllama_dspark.gguf.layer_inputs import unsupported_arch_message
 from pyllama_dspark.gguf.reader import (cached_info, check_path, field_value, ggml_ne, n_tokens, read_gguf,
                                         scalar_field, tensor_map, tokenizer_fingerprint)
@@ -59,6 +60,11 @@ __all__ = [
 DRAFT_ARCH = "dflash"
 #: provenance keys ``pyllama-dspark convert`` writes (``<prefix>config``, ``<prefix>outtype``); llama.cpp ignores them
 SOURCE_PREFIX = "pyllama_dspark.source."
+
+# the largest DSpark block size accepted: the Markov head adds ~4 graph nodes per block position and
+# llama.cpp's draft graph holds max(1024, 8 * n_tensors) nodes (GGML_ASSERT(obj_new) at 256 positions
+# on a 1-layer draft)
+MAX_DSPARK_BLOCK = 128
 
 # GGML types llama.cpp keeps fc in without the F16 overflow of hazard 9
 _F16_NAMES = ("F16",)
@@ -178,6 +184,8 @@ def _parse_draft_info(path: str, use_cache: bool) -> DraftInfo:
         raise DraftMismatchError(
             f"{name}: not a DFlash/DSpark draft: general.architecture is {arch!r}, expected {DRAFT_ARCH!r}")
     a = arch
+    check_hparams(r, a, name)
+    check_tensor_types(r, name, int_ok=("d2t",))
 
     def need(k: str, what: str) -> Any:
         v = field_value(r, k, None)
@@ -190,7 +198,8 @@ def _parse_draft_info(path: str, use_cache: bool) -> DraftInfo:
         raise DraftMismatchError(
             f"{name}: draft lacks '{a}.block_size' (the trained block size gamma); llama.cpp aborts "
             f"creating a DSpark draft context without it")
-    block_size = int(block_size)
+    if isinstance(block_size, bool) or not isinstance(block_size, int):   # llama.cpp std::stoi()s it
+        raise DraftMismatchError(f"{name}: '{a}.block_size' must be an integer, got {block_size!r:.40}")
     if block_size < 1:
         raise DraftMismatchError(f"{name}: '{a}.block_size' is {block_size}, must be >= 1")
 
@@ -275,6 +284,10 @@ def _parse_draft_info(path: str, use_cache: bool) -> DraftInfo:
 
     has_markov = w1 is not None
     markov_rank = 0
+    if has_markov and block_size > MAX_DSPARK_BLOCK:
+        raise DraftMismatchError(
+            f"{name}: '{a}.block_size' is {block_size}; llama.cpp builds the Markov head per block position "
+            f"and overflows its graph beyond ~255 (DSpark drafts up to {MAX_DSPARK_BLOCK} are accepted)")
     if has_markov:
         if w2 is None:
             raise DraftMismatchError(f"{name}: draft has markov_w1.weight but no markov_w2.weight")
@@ -309,6 +322,9 @@ def _parse_draft_info(path: str, use_cache: bool) -> DraftInfo:
 
     sfa_key = _bool_key(r, f"{a}.sample_from_anchor")
     sample_from_anchor = True if sfa_key is None else sfa_key
+    if block_size - block_offset(has_markov, sample_from_anchor) < 1:
+        raise DraftMismatchError(f"{name}: '{a}.block_size' is {block_size}: its block (the anchor and "
+                                 f"{block_size - 1} masks) leaves no position to draft")
     causal_key = _bool_key(r, f"{a}.attention.causal")
     causal = bool(causal_key) if causal_key is not None else False
 

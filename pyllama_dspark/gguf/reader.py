@@ -13,7 +13,8 @@ from typing import Any, Callable, Dict, Tuple
 
 import numpy as np
 
-from pyllama_dspark.errors import ModelFileError
+from pyllama_dspark.errors import DSparkError, ModelFileError
+from pyllama_dspark.gguf.structure import check_structure
 
 __all__ = ["read_gguf", "field_value", "scalar_field", "tokenizer_fingerprint", "n_tokens", "tensor_map",
            "ggml_ne", "check_path", "cached_info"]
@@ -55,7 +56,14 @@ def cached_info(kind: str, path: str, use_cache: bool, build: Callable[[], Any])
         cached = _cache_get(_INFO_CACHE, key)
         if cached is not None:
             return cached
-    info = build()
+    try:
+        info = build()
+    except DSparkError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        # a value of an unexpected type (a string block count, ...): the file is broken, not our code
+        raise ModelFileError(f"{os.path.basename(path)}: unexpected {kind} GGUF metadata "
+                             f"({type(e).__name__}: {e})") from e
     if use_cache:
         _cache_put(_INFO_CACHE, key, info)
     return info
@@ -110,8 +118,10 @@ def read_gguf(path, *, use_cache: bool = True):
     """Open ``path`` with :class:`gguf.GGUFReader` and check it is a complete GGUF file.
 
     Raises :class:`ModelFileError` for a missing path, a directory, a file that is not GGUF
-    (bad magic), an unreadable/corrupt header, and a truncated file (any tensor's data extending
-    past the end of the file -- the reader memory-maps the file and may not notice this itself).
+    (bad magic), a corrupt or truncated header / metadata / tensor table, and a truncated file (any
+    tensor's data extending past the end of the file -- the reader memory-maps the file and may
+    not notice this itself): :func:`~pyllama_dspark.gguf.structure.check_structure`, before
+    gguf-py parses anything.
 
     Readers are cached per (real path, inode, size, mtime) because parsing a large vocabulary
     takes seconds; pass ``use_cache=False`` for a fresh reader.
@@ -135,6 +145,7 @@ def read_gguf(path, *, use_cache: bool = True):
             f"not a GGUF file (bad magic {shown!r}, expected b'GGUF'): {path!r}"
             + (" (empty file)" if size == 0 else ""))
 
+    check_structure(path, size)   # bounds, types, offsets, alignment: what llama.cpp's reader checks
     try:
         reader = _reader_class()(path, "r")
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError,
@@ -142,20 +153,6 @@ def read_gguf(path, *, use_cache: bool = True):
         raise ModelFileError(
             f"cannot parse GGUF file {path!r} (truncated or corrupt: {type(exc).__name__}: {exc})"
         ) from exc
-
-    # the reader memory-maps the file: check every tensor's data really lies inside it
-    end_needed = 0
-    worst = None
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > end_needed:
-            end_needed, worst = end, t.name
-    if end_needed > size:
-        raise ModelFileError(
-            f"truncated GGUF file {path!r}: tensor {worst!r} needs {end_needed} bytes, "
-            f"the file has {size}")
-    if int(reader.data_offset) > size:
-        raise ModelFileError(f"truncated GGUF file {path!r}: tensor data starts past the end of file")
 
     if use_cache:
         _cache_put(_READER_CACHE, key, reader)

@@ -9,6 +9,7 @@ from typing import Optional
 
 from pyllama_dspark.errors import ModelFileError, UnsupportedArchError
 from pyllama_dspark.gguf.layer_inputs import FINAL_LAYER_INPUT_ARCHS, LAYER_INPUT_ARCHS, unsupported_arch_message
+from pyllama_dspark.gguf.hparams import check_hparams, check_tensor_types
 from pyllama_dspark.gguf.reader import (cached_info, check_path, field_value, n_tokens, read_gguf, scalar_field,
                                         tokenizer_fingerprint)
 
@@ -70,6 +71,8 @@ def _parse_target_info(path: str, use_cache: bool) -> TargetInfo:
     if not isinstance(arch, str) or not arch:
         raise ModelFileError(f"{name}: GGUF has no general.architecture")
     a = arch
+    check_hparams(r, a, name)
+    check_tensor_types(r, name)
     n_embd = field_value(r, f"{a}.embedding_length", None)
     n_layer_all = field_value(r, f"{a}.block_count", None)
     if n_embd is None or n_layer_all is None:

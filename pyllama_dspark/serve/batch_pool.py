@@ -69,7 +69,10 @@ class BatchedPool(JobQueue):
         with self._lock:
             by_slot = {j.slot: j for j in self._running.values() if j.slot >= 0}
         cache = self._bd.cache
-        return [{"id": i, "n_ctx": self.n_ctx, "is_processing": i in by_slot,
+        # a slot is processing from its admission inside a step (before the worker sees its
+        # Started event after the step) to its release: what the decoder holds, not only by_slot
+        free = set(self._bd.free_slots())
+        return [{"id": i, "n_ctx": self.n_ctx, "is_processing": i in by_slot or i not in free,
                  "id_task": by_slot[i].task_id if i in by_slot else -1, "n_cached": cache.n_cached(i),
                  "dspark_memory": self.memory.get(i)}
                 for i in self._bd.slots]

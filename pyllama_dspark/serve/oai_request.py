@@ -30,6 +30,7 @@ then ignored: the pool picks the slot);
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -46,6 +47,43 @@ class RequestError(Exception):
         self.type = type
         self.code = code
         self.param = param
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """A request body decoded as llama-server's JSON parser accepts it: UTF-8 (a leading BOM
+    skipped), no string holding a lone UTF-16 surrogate (``"\\ud800"``: Python's json accepts it,
+    nothing downstream can encode it), nesting Python's parser can hold; else RequestError (400)."""
+    if not raw.strip():
+        raise RequestError("the request body is empty; expected a JSON object")
+    try:
+        text = raw.decode("utf-8")   # strict: also refuses a surrogate encoded as UTF-8
+    except UnicodeDecodeError as e:
+        raise RequestError(f"invalid JSON in the request body: not UTF-8 ({e})") from e
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise RequestError("invalid JSON in the request body: nested too deeply") from None
+    except ValueError as e:
+        raise RequestError(f"invalid JSON in the request body: {e}") from e
+    if _SURROGATE_ESCAPE.search(text):   # the only way a lone surrogate gets in
+        stack = [body]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, dict):
+                stack.extend(v.keys())
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+            elif isinstance(v, str) and _LONE_SURROGATE.search(v):
+                raise RequestError("invalid JSON in the request body: a string holds a lone UTF-16 surrogate "
+                                   "(\\ud800-\\udfff)")
+    return body
 
 
 # sampling fields and their checks: (python types, lower bound, upper bound)
@@ -263,15 +301,24 @@ def _probs(body: dict, req: GenRequest) -> None:
 _INT_KEY = re.compile(r"\s*[+-]?\d+")   # what strtol reads whole: a token id, else text to tokenize
 
 
+def _float(v) -> Optional[float]:
+    """``v`` (an int or a float) as a float; None for an int too large for one (10**400)."""
+    try:
+        return float(v)
+    except OverflowError:
+        return None
+
+
 def _bias_value(v: Any, where: str) -> float:
     if v is False:
         return float("-inf")
     if not _is(v, (int, float)):
         raise RequestError(f"logit_bias{where}: the bias must be a number, or false to ban the token, "
                            f"got {_typename(v)}", param="logit_bias")
-    if not math.isfinite(v):
+    f = _float(v)
+    if f is None or not math.isfinite(f):
         raise RequestError(f"logit_bias{where}: the bias must be finite (false bans the token)", param="logit_bias")
-    return float(v)
+    return f
 
 
 def _logit_bias(body: dict) -> List[Tuple[Union[int, str], float]]:
@@ -406,6 +453,8 @@ def parse_request(body: Any, kind: str) -> GenRequest:
             v = _int_field(body, name)
         elif not _is(v, types):
             raise RequestError(f"'{name}' must be a number, got {_typename(v)}", param=name)
+        if _float(v) is None:   # the sampler's checks convert to float: OverflowError, a 500
+            raise RequestError(f"'{name}' is too large: {str(v)[:24]}...", param=name)
         if v != v:  # NaN
             raise RequestError(f"'{name}' must not be NaN", param=name)
         if lo is not None and v < lo:

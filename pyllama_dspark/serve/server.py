@@ -40,8 +40,8 @@ from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.serve.metrics import ServerMetrics
 from pyllama_dspark.serve.native import add_native_routes
-from pyllama_dspark.serve.oai_request import (GenRequest, RequestError, check_grammar, grammar_text, parse_request,
-                                              resolve_logit_bias, tokenize_mixed)
+from pyllama_dspark.serve.oai_request import (GenRequest, RequestError, check_grammar, grammar_text, parse_json_body,
+                                              parse_request, resolve_logit_bias, tokenize_mixed)
 from pyllama_dspark.serve.routes_misc import add_misc_routes
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
 from pyllama_dspark.decode.timings import llama_timings
@@ -178,13 +178,7 @@ class Serving:
             raise RequestError("Invalid API Key", type="authentication_error", code=401)
 
     async def body(self, request: Request) -> Any:
-        raw = await request.body()
-        if not raw.strip():
-            raise RequestError("the request body is empty; expected a JSON object")
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise RequestError(f"invalid JSON in the request body: {e}") from e
+        return parse_json_body(await request.body())
 
     # ---- token probabilities -------------------------------------------------------------------
     def piece(self, token: int) -> bytes:
