@@ -20,13 +20,9 @@ package installs that builder as this module's provider (``set_module_provider``
 
 from __future__ import annotations
 
-import ctypes
 import os
-import socket
-import struct
 import sys
 import threading
-from ctypes import c_char_p, c_size_t, c_void_p
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from pyllama_dspark.errors import DSparkError
@@ -62,7 +58,7 @@ def parse_endpoints(value: Endpoints) -> Tuple[str, ...]:
     return tuple(out)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock, n: int) -> bytes:
     buf = b""
     while len(buf) < n:
         part = sock.recv(n - len(buf))
@@ -74,6 +70,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> Tuple[int, int, int]:
     """The server's protocol version after a HELLO, or :class:`RpcEndpointError` saying why not."""
+    import socket
+    import struct
+
     host, _, port = endpoint.rpartition(":")
     where = f"RPC server {endpoint}"
     try:
@@ -120,6 +119,9 @@ def set_module_provider(fn: Callable[[], str]) -> None:
 
 
 def _ggml():
+    import ctypes
+    from ctypes import c_char_p, c_size_t, c_void_p
+
     import llama_cpp  # noqa: F401  (libllama and its libggml loaded, RTLD_GLOBAL)
 
     lib = ctypes.CDLL(None)
@@ -156,11 +158,13 @@ def _on_abort(message: bytes) -> None:
 
 
 def _install_abort_callback(lib) -> None:
+    import ctypes
+
     global _abort_cb
     if _abort_cb is None:
         # typedef void (*ggml_abort_callback_t)(const char * error_message);
-        _abort_cb = ctypes.CFUNCTYPE(None, c_char_p)(_on_abort)
-        lib.ggml_set_abort_callback(ctypes.cast(_abort_cb, c_void_p))
+        _abort_cb = ctypes.CFUNCTYPE(None, ctypes.c_char_p)(_on_abort)
+        lib.ggml_set_abort_callback(ctypes.cast(_abort_cb, ctypes.c_void_p))
 
 
 def add_servers(endpoints: Endpoints, *, timeout: float = PROBE_TIMEOUT_S) -> List[int]:
@@ -186,7 +190,9 @@ def add_servers(endpoints: Endpoints, *, timeout: float = PROBE_TIMEOUT_S) -> Li
             fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server")
             if not fn:
                 raise RpcEndpointError("the RPC backend has no ggml_backend_rpc_add_server")
-            add_server = ctypes.CFUNCTYPE(c_void_p, c_char_p)(fn)
+            import ctypes
+
+            add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(fn)
             _install_abort_callback(lib)
             for ep in new:
                 ep_reg = add_server(ep.encode())
@@ -219,5 +225,7 @@ def model_devices(endpoints: Endpoints):
     """A NULL-terminated ``ggml_backend_dev_t`` array for ``llama_model_params.devices``: the RPC
     devices of ``endpoints`` first, then the local GPUs (llama.cpp's default order), so that a
     model opened without ``--rpc`` in a process that has RPC servers stays local."""
+    import ctypes
+
     devs = add_servers(endpoints) + local_gpu_devices()
-    return (c_void_p * (len(devs) + 1))(*devs, None)
+    return (ctypes.c_void_p * (len(devs) + 1))(*devs, None)
