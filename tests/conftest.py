@@ -30,6 +30,9 @@ def _install_test_cost_profile() -> None:
 
 
 _install_test_cost_profile()
+# what auto learned is kept across processes (spec/policy_memory.py); in the suite, one test's runs
+# must not steer another's: tests of the memory turn it on in their own subprocesses
+os.environ.setdefault("PYLLAMA_DSPARK_SCHEDULE_MEMORY", "0")
 
 
 def _smollm2_path() -> str:

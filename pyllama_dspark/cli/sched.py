@@ -171,75 +171,31 @@ def with_schedule_options(f):
     return f
 
 
-def make_policy(sp, schedule: Optional[str], conf_min: Optional[float], p_survival_min: Optional[float],
-                calibration: Optional[str], profile_path: Optional[str], gamma: int = 7):
-    """The VerifyPolicy of an open Speculator from the command-line options (None: fixed blocks).
-
-    No --schedule: static / survival when their threshold is given, else auto (with a draft)."""
-    from pyllama_dspark.spec import costprofile
-    from pyllama_dspark.spec.calibration import load_calibration
-    from pyllama_dspark.spec.policy import policy_for
-
+def check_schedule_options(has_draft: bool, schedule: Optional[str], calibration: Optional[str],
+                           profile_path: Optional[str]) -> None:
+    """The options' own conflicts, before any model is opened (usage errors, exit status 2)."""
     if schedule == "off" and (calibration or profile_path):
         raise click.UsageError("--calibration/--profile need a schedule other than off")
-    has_draft = sp.draft is not None
     if not has_draft and schedule not in (None, "off", "auto"):
         raise click.UsageError(f"--schedule {schedule} needs a draft (-md)")
-    if not has_draft:
-        return None
-    temps = load_calibration(calibration, sp.draft.path).temperatures if calibration else None
 
-    def cost():
-        if profile_path:
-            return costprofile.load(profile_path)
-        if (schedule or "auto") == "auto":
-            return costprofile.auto_profile(sp.target)
-        click.echo("profiling this machine (cached for next time)...", err=True)
-        return costprofile.load_or_measure(sp)
 
+def make_policy(sp, schedule: Optional[str], conf_min: Optional[float], p_survival_min: Optional[float],
+                calibration: Optional[str], profile_path: Optional[str], gamma: int = 7, regime: str = "any"):
+    """The VerifyPolicy of an open Speculator from the command-line options (None: fixed blocks),
+    through the one factory (:func:`~pyllama_dspark.spec.policy_factory.make_policy`)."""
+    from pyllama_dspark.spec.policy_factory import make_policy as factory
+
+    check_schedule_options(sp.draft is not None, schedule, calibration, profile_path)
     try:
-        return policy_for(schedule, has_draft=True, has_confidence=bool(sp.draft.meta.has_confidence),
-                          cost_source=cost, conf_min=conf_min, p_survival_min=p_survival_min, temperatures=temps,
-                          gamma=gamma)
+        return factory(sp.target, sp.draft, schedule, proposer=sp.proposer, cost_profile=profile_path,
+                       conf_min=conf_min, p_survival_min=p_survival_min, calibration=calibration, gamma=gamma,
+                       measure_full=sp._measure_full, regime=regime)
     except ValueError as e:
         raise click.UsageError(f"--schedule: {e}")
 
 
 # ---- bench-schedule ------------------------------------------------------------------------------
-
-class _OracleSet:
-    """One OracleProposer per prompt, bound to whichever sequence slot decodes that prompt."""
-
-    name = "oracle"
-
-    def __init__(self, prompts, refs, n_vocab, p_error, seed=0):
-        from pyllama_dspark.spec.oracle import OracleProposer
-
-        self._by_prompt = {tuple(p): OracleProposer(list(p) + list(r), n_vocab, p_error=p_error, seed=seed + i)
-                           for i, (p, r) in enumerate(zip(prompts, refs))}
-        self._by_seq = {}
-
-    def bind(self, seq_id, prompt):
-        self._by_seq[seq_id] = self._by_prompt[tuple(int(t) for t in prompt)]
-
-    def max_draft(self):
-        return 7
-
-    def reset(self, seq_id=0):
-        pass
-
-    def observe(self, row0, n, pos0, seq_id=0):
-        pass
-
-    def rollback(self, p0, seq_id=0):
-        pass
-
-    def propose(self, anchor, pos0, n_draft, seq_id=0):
-        return self._by_seq[seq_id].propose(anchor, pos0, n_draft, seq_id)
-
-    def close(self):
-        pass
-
 
 @click.command("bench-schedule")
 @common
@@ -248,57 +204,81 @@ class _OracleSet:
 @click.option("-n", "--n-predict", type=int, default=48, show_default=True)
 @click.option("--requests", "rs", default="1,4", show_default=True, help="Concurrent sequences R to test.")
 @click.option("--accuracies", default="0.9,0.6,0.3", show_default=True,
-              help="Oracle-ish proposer: probability that a block has no planted error.")
+              help="Oracle proposers (as -md oracle:P) beside the draft: P, the probability that a block has no "
+                   "planted error ('' for none).")
 @click.option("--conf-min", type=float, default=0.5, show_default=True)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
 @offload_options
 @click.option("--json", "as_json", is_flag=True)
 def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit, n_predict, rs, accuracies,
                        conf_min, n_gpu_layers, offload, as_json):
-    """tok/s of no draft, fixed-length DSpark, static conf_min and the profiled scheduler, interleaved."""
+    """tok/s of no draft, fixed-length DSpark, static conf_min and the profiled scheduler, interleaved.
+
+    Proposers: the draft (-md; default a random one) and oracles right with probability P per block
+    (--accuracies, or -md oracle:P alone), each paying a real pass of the draft and reporting no
+    confidences (so static / profiled, which need them, run for the draft only).  Greedy."""
     from tabulate import tabulate
     from tqdm import tqdm
 
-    from pyllama_dspark.spec import costprofile
-    from pyllama_dspark.decode.api import Speculator
+    from pyllama_dspark.decode.api import Speculator, oracle_draft_for
     from pyllama_dspark.decode.loop import Decoder
     from pyllama_dspark.llama.chat import build_chat_prompt
     from pyllama_dspark.llama.models import open_models
-    from pyllama_dspark.spec.policy import VerifyPolicy
     from pyllama_dspark.prompts import load_prompts
+    from pyllama_dspark.spec import costprofile
+    from pyllama_dspark.spec.drafter import DraftModelProposer
+    from pyllama_dspark.spec.oracle import OracleDraft, parse_oracle
+    from pyllama_dspark.spec.policy_factory import make_policy as factory
 
     target_p = _target_path(model)
-    draft_p = _draft_path(draft or "random", target_p)
+    try:
+        only_oracle = parse_oracle(draft)
+        accs = [only_oracle] if only_oracle is not None else [float(x) for x in accuracies.split(",") if x.strip()]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-md / --accuracies")
+    draft_p = oracle_draft_for(target_p) if only_oracle is not None else _draft_path(draft or "random", target_p)
     r_list = [int(x) for x in rs.split(",") if x.strip()]
-    accs = [float(x) for x in accuracies.split(",") if x.strip()]
     items = load_prompts(prompt_paths, limit_per_file=limit)
-    # the cost curve of this machine (cached), from a single-sequence context
     place = dict(n_gpu_layers=n_gpu_layers, **offload)
+    # the full cost curve of this machine (cached) for profiled / static, from a one-sequence context
     with Speculator(target_p, draft_p, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, schedule="off",
                     **place) as sp:
         prof = costprofile.load_or_measure(sp)
         prompts = [build_chat_prompt(sp.target, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
         refs = [sp.generate(p, n_predict, ignore_eos=False).tokens for p in prompts]
-    cost = prof.cost_model()
     click.echo(prof.table(), err=True)
-    with Speculator(target_p, None, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, **place) as sp0:
-        auto_cost = costprofile.auto_profile(sp0.target).cost_model()
     label = "random draft" if (draft or "random") == "random" else f"draft {os.path.basename(draft_p)}"
-    sources = [(label, None)] + [(f"oracle acc {a:.1f}", a) for a in accs]
+    sources = ([] if only_oracle is not None else [(label, None)]) + [(f"oracle:{a:g}", a) for a in accs]
     configs = [("no draft", "none"), ("fixed", "off"), (f"static {conf_min}", "static"), ("profiled", "profiled"),
                ("auto", "auto")]
     rows = []
     for R in r_list:
         t, d, _ = open_models(target_p, draft_p, _settings(n_ctx, threads, flash_attn, R, **place))
         with t:
-            n_vocab = t.n_vocab
-            results = {(s, c): [] for s, _ in sources for c, _ in configs}
+            inner = DraftModelProposer(d)
+
+            def proposer(acc, bp, br, seed):
+                if acc is None:
+                    return d
+                o = OracleDraft(t, inner, acc, seed=seed)
+                for p_, r_ in zip(bp, br):
+                    o.set.add(p_, r_)
+                return o
+
             # one policy per (proposer, config) across the prompts, as a server keeps it: what the
-            # profiled policy learns (draft cost, acceptance, confidence correction) carries over
-            policies = {(s, c): VerifyPolicy(mode="off" if mode == "none" else mode, conf_min=conf_min,
-                                             cost=auto_cost if mode == "auto" else cost)
-                        for s, _ in sources for c, mode in configs}
-            runs = [(s, acc, c, mode) for s, acc in sources for c, mode in configs]
+            # policies learn (draft cost, acceptance, confidence correction) carries over
+            policies, runs = {}, []
+            for s, acc in sources:
+                probe = proposer(acc, [], [], 0)
+                for c, mode in configs:
+                    if mode in ("static", "profiled") and acc is not None:
+                        continue   # they need confidences; an oracle reports none
+                    pol = None if mode == "none" else factory(
+                        t, d, mode, proposer=probe, cost_profile=prof if mode in ("static", "profiled") else None,
+                        conf_min=conf_min, gamma=7, remember=False)
+                    policies[(s, c)] = pol
+                    runs.append((s, acc, c, mode))
+            results = {k: [] for k in policies}
             bar = tqdm(total=len(runs) * len(prompts), desc=f"R={R}", leave=False)
             for i in range(len(prompts)):
                 # R copies of prompt i (and its neighbours) decoded together; rotate config order
@@ -307,12 +287,7 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
                 br = [refs[j] for j in batch_idx]
                 rot = runs[i % len(runs):] + runs[:i % len(runs)]
                 for s, acc, c, mode in rot:
-                    if mode == "none":
-                        prop = None
-                    elif acc is None:
-                        prop = d
-                    else:
-                        prop = _OracleSet(bp, br, n_vocab, 1.0 - acc, seed=i)
+                    prop = None if mode == "none" else proposer(acc, bp, br, i)
                     bd = Decoder(t, prop, n_max=7, policy=policies[(s, c)])
                     t0 = time.perf_counter()
                     done = bd.run(bp, [len(r) for r in br])
@@ -327,6 +302,8 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
         for s, _ in sources:
             base = statistics.median(x[0] for x in results[(s, "no draft")])
             for c, _ in configs:
+                if (s, c) not in results:
+                    continue
                 tps = statistics.median(x[0] for x in results[(s, c)])
                 tau = statistics.median(x[1] for x in results[(s, c)])
                 rows.append(dict(R=R, proposer=s, config=c, tok_s=round(tps, 2), vs_no_draft=round(tps / base, 3),

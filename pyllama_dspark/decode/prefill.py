@@ -16,6 +16,7 @@ from typing import List, Sequence
 import numpy as np
 
 from pyllama_dspark.decode.request import Request, token_probs
+from pyllama_dspark.spec.drafter import observe_later
 
 
 def prefill(dec, reqs: Sequence[Request]) -> None:
@@ -39,6 +40,9 @@ def prefill(dec, reqs: Sequence[Request]) -> None:
             if prop is not None:
                 prop.reset(seq)
         todo.append([s, start])
+    # with a cost-driven policy the prompt's feature rows wait on the host until a block is drafted:
+    # a run in which drafting never pays makes no draft decode at all (the first is a cold one)
+    defer = prop is not None and dec._policy is not None and dec._policy.uses_cost
     nb = tgt.n_batch
     tok, pos, seqs = np.zeros(nb, dtype=np.int32), np.zeros(nb, dtype=np.int32), np.zeros(nb, dtype=np.int32)
     outs = np.zeros(nb, dtype=np.int8)
@@ -61,7 +65,9 @@ def prefill(dec, reqs: Sequence[Request]) -> None:
             n += k
         tgt.decode_rows(tok[:n], pos[:n], seqs[:n], outs[:n])
         for (s, c_end), row0, k, _ in pieces:
-            if prop is not None:
+            if defer:
+                observe_later(prop, row0, k, c_end - k, s.seq_id)
+            elif prop is not None:
                 prop.observe(row0, k, c_end - k, s.seq_id)
         for (s, _), row0, k, done in pieces:
             if done:

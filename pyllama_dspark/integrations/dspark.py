@@ -33,7 +33,9 @@ from typing import Iterator, List, Optional, Union
 from llama_cpp import llama_chat_format as lcf
 
 from pyllama_dspark.integrations import openai_dicts as oai
-from pyllama_dspark.decode.api import Speculator, make_schedule
+from pyllama_dspark.decode.api import Speculator
+from pyllama_dspark.spec import policy_memory
+from pyllama_dspark.spec.policy_factory import make_policy
 from pyllama_dspark.llama.chat import chat_formatter
 from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, check_n_max, clamp_n_max
 from pyllama_dspark.decode.engine import SpecDecoder
@@ -132,7 +134,8 @@ class DSpark(Owned):
             target, draft, proposer, found = BorrowedTarget(ctx.ctx, llama_settings(llm)), None, NoDraft(), []
         try:
             # a first-use cost measurement decodes in the Llama's context: its cached prefix is gone
-            policy = make_schedule(target, draft, schedule, cost_profile, gamma=int(n_max), on_measured=llm.reset)
+            policy = make_policy(target, draft, "off" if schedule is None else schedule, cost_profile=cost_profile,
+                                 gamma=int(n_max), on_measured=llm.reset)
         except BaseException:
             target.close()
             raise
@@ -172,6 +175,7 @@ class DSpark(Owned):
         if self._sp is not None:
             self._sp.close()
         else:
+            policy_memory.save(self.decoder.policy)   # what auto learned, for the next process
             self.proposer.close()
             self.target.close()   # borrowed: frees our capture handle and the draft, not the Llama
         self._llm = None

@@ -148,11 +148,12 @@ class DSparkDraftModel(Owned, LlamaDraftModel):
             self.draft = Draft(draft_path, self.target, self.settings)
             self.proposer = DraftModelProposer(self.draft)
             self.n_max = clamp_n_max(n_max, self.proposer)
-            from pyllama_dspark.decode.api import make_schedule
+            from pyllama_dspark.spec.policy_factory import make_policy
 
             # a first-use cost measurement decodes in the Llama's context: its cached prefix is gone
-            self.policy = make_schedule(self.target, self.draft, schedule, cost_profile, gamma=self.n_max,
-                                        on_measured=llm.reset)
+            self.policy = make_policy(self.target, self.draft, "off" if schedule is None else schedule,
+                                      proposer=self.proposer, cost_profile=cost_profile, gamma=self.n_max,
+                                      on_measured=llm.reset)
         except BaseException:
             self.target.close()
             raise
@@ -233,6 +234,9 @@ class DSparkDraftModel(Owned, LlamaDraftModel):
             return
         self._closed = True
         try:
+            from pyllama_dspark.spec import policy_memory
+
+            policy_memory.save(self.policy)   # what auto learned, for the next process
             self._uninstall()
         finally:
             self.target.close()   # closes the draft context first

@@ -1,19 +1,35 @@
-"""An oracle proposer for tests and benchmarks: the target's own continuation with planted errors.
+"""Oracle proposers: the target's own continuation with planted errors.
 
 Random-weight drafts accept almost nothing, so they never exercise long accepted blocks, the
 bonus token, partial acceptance at every position or EOS inside an accepted block.  The oracle
 knows the reference sequence (prompt + the target's greedy continuation) and proposes it, except
 that each block gets, with probability ``p_error``, one wrong token at a random position (or at
 the positions ``error_at`` cycles through).  The engine must emit the reference either way.
+
+**The planted error** (:class:`OracleProposer`, the one definition every front end uses): a block
+of ``n`` drafts (``n`` = the drafts asked for, at most the block size) is entirely right with
+probability ``P = 1 - p_error``; otherwise exactly one draft, at a position drawn uniformly from
+``0 .. n-1``, is replaced by another token (the drafts before it are right, the ones after it are
+never reached).  So the expected number of accepted drafts per full block of 7 is
+``7 P + 3 (1 - P)``, and the conditional acceptance at position ``k`` (0-based) is
+``1 - (1 - P) / (n - k)``.
+
+:class:`OracleDraft` is the user-facing form (``-md oracle:P`` on ``run``, ``bench`` and
+``bench-schedule``): it answers "what would a drafter right with probability P give me here?"
+without flattering.  It runs a real draft pass of a draft matched to the target (the shipped
+drafter, or a random one of the target's shape) every time it proposes, discards that pass's
+tokens, and reports no confidences (the ``auto`` schedule then works from the running acceptance,
+as for a DFlash draft).  It is greedy only (T = 0): its q is a point mass, which at T > 0 would
+not be the distribution of a real drafter.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from pyllama_dspark.spec.drafter import EMPTY, Proposal, Proposer
+from pyllama_dspark.spec.drafter import EMPTY, BlockRequest, Proposal, Proposer, propose_all
 
 
 class OracleProposer(Proposer):
@@ -128,3 +144,148 @@ class TableOracleProposer(Proposer):
         if not toks:
             return EMPTY
         return Proposal(np.asarray(toks, dtype=np.int32), None, qs)
+
+
+class OracleSet(Proposer):
+    """One :class:`OracleProposer` per prompt, bound to whichever sequence slot decodes that prompt
+    (the decoding loop calls :meth:`bind` when it admits a request)."""
+
+    name = "oracle"
+
+    def __init__(self, prompts: Sequence[Sequence[int]] = (), refs: Sequence[Sequence[int]] = (), n_vocab: int = 0,
+                 p_error: float = 0.5, seed: int = 0, block_size: int = 7):
+        self.n_vocab, self.p_error, self.seed, self.block_size = int(n_vocab), float(p_error), int(seed), int(block_size)
+        self._by_prompt: Dict[Tuple[int, ...], OracleProposer] = {}
+        self._by_seq: Dict[int, OracleProposer] = {}
+        for p, r in zip(prompts, refs):
+            self.add(p, r)
+
+    def add(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
+        """Know ``continuation`` as the target's greedy output after ``prompt``."""
+        key = tuple(int(t) for t in prompt)
+        self._by_prompt[key] = OracleProposer(list(key) + [int(t) for t in continuation], self.n_vocab,
+                                              block_size=self.block_size, p_error=self.p_error,
+                                              seed=self.seed + len(self._by_prompt))
+
+    def knows(self, prompt: Sequence[int]) -> bool:
+        return tuple(int(t) for t in prompt) in self._by_prompt
+
+    def bind(self, seq_id: int, prompt: Sequence[int]) -> None:
+        key = tuple(int(t) for t in prompt)
+        if key not in self._by_prompt:
+            raise ValueError("the oracle has no reference continuation for this prompt (prepare() it first)")
+        self._by_seq[seq_id] = self._by_prompt[key]
+
+    def max_draft(self) -> int:
+        return self.block_size
+
+    def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
+        return self._by_seq[seq_id].propose(anchor, pos0, n_draft, seq_id)
+
+
+def greedy_reference(target, prompt: Sequence[int], n: int, seq_id: int = 0) -> List[int]:
+    """The target's greedy continuation of ``prompt`` (``n`` tokens, end-of-generation tokens
+    included and gone past), decoded as the loop's prefill does (``n_batch`` chunks) and then one
+    token per decode.  Uses, and clears, sequence ``seq_id`` of ``target``."""
+    toks = np.asarray(list(prompt), dtype=np.int32)
+    if toks.size == 0:
+        raise ValueError("empty prompt")
+    if toks.size + n + 1 > target.n_ctx:
+        from pyllama_dspark.errors import ContextOverflowError
+
+        raise ContextOverflowError(f"prompt + {n} tokens exceed the context ({target.n_ctx})")
+    ids, margin = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.float32)
+    out: List[int] = []
+    target.seq_rm(seq_id, 0, -1)
+    try:
+        for c0 in range(0, toks.size, target.n_batch):
+            chunk = toks[c0:c0 + target.n_batch]
+            target.decode(chunk, c0, seq_id, all_outputs=False)
+        target.argmax(int(min(toks.size - c0, target.n_batch)) - 1, 1, ids, margin)
+        out.append(int(ids[0]))
+        while len(out) < n:
+            target.decode(np.asarray(out[-1:], dtype=np.int32), toks.size + len(out) - 1, seq_id)
+            target.argmax(0, 1, ids, margin)
+            out.append(int(ids[0]))
+    finally:
+        target.seq_rm(seq_id, 0, -1)
+    return out
+
+
+def parse_oracle(spec: Optional[str]) -> Optional[float]:
+    """``oracle:P`` (``-md``) -> P, the probability that a block is entirely right; None when
+    ``spec`` is not an oracle.  Raises ValueError on a malformed one."""
+    if not isinstance(spec, str) or not spec.startswith("oracle"):
+        return None
+    head, _, value = spec.partition(":")
+    if head != "oracle" or not value:
+        raise ValueError(f"{spec!r}: expected oracle:P with P in [0, 1], e.g. oracle:0.9")
+    try:
+        p = float(value)
+    except ValueError:
+        raise ValueError(f"{spec!r}: expected oracle:P with P in [0, 1], e.g. oracle:0.9") from None
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{spec!r}: P must be in [0, 1]")
+    return p
+
+
+class OracleDraft(Proposer):
+    """``-md oracle:P``: the target's greedy continuation, each block entirely right with
+    probability ``p`` (see the module's definition of the planted error), proposed after a real
+    draft pass of ``inner`` (a :class:`~.drafter.DraftModelProposer` matched to the target) whose
+    tokens are discarded; no confidences.  Greedy only.  :meth:`prepare` the prompts first (their
+    reference continuations are decoded then, outside any timing)."""
+
+    name = "oracle"
+    has_confidence = False
+
+    def __init__(self, target, inner, p: float, *, seed: int = 0):
+        self.target = target
+        self.inner = inner
+        self.p = float(p)
+        self.memory_tag = f"oracle:{self.p:g}"
+        self.offset = getattr(inner, "offset", 0)
+        self.set = OracleSet(n_vocab=target.n_vocab, p_error=1.0 - self.p, seed=seed, block_size=inner.max_draft())
+
+    def prepare(self, prompts: Sequence[Sequence[int]], n: int) -> None:
+        """Decode the reference continuation (``n`` tokens) of every prompt not known yet."""
+        for p in prompts:
+            if not self.set.knows(p):
+                self.set.add(p, greedy_reference(self.target, p, n))
+
+    def bind(self, seq_id: int, prompt: Sequence[int]) -> None:
+        self.set.bind(seq_id, prompt)
+
+    def max_draft(self) -> int:
+        return self.inner.max_draft()
+
+    def reset(self, seq_id: int = 0) -> None:
+        self.inner.reset(seq_id)
+
+    def observe(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        self.inner.observe(row0, n, pos0, seq_id)
+
+    def observe_later(self, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:
+        self.inner.observe_later(row0, n, pos0, seq_id)
+
+    def rollback(self, p0: int, seq_id: int = 0) -> None:
+        self.inner.rollback(p0, seq_id)
+
+    def propose_batch(self, requests: Sequence[BlockRequest]) -> List[Proposal]:
+        if any(r.sampler is not None for r in requests):
+            raise ValueError("the oracle proposer is greedy only (temperature 0)")
+        propose_all(self.inner, requests)   # the real draft pass; its tokens are discarded
+        out = []
+        for r in requests:
+            p = self.set.propose(r.anchor, r.pos0, r.n_draft, r.seq_id)
+            out.append(Proposal(p.tokens) if len(p.tokens) else EMPTY)
+        return out
+
+    def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
+        return self.propose_batch([BlockRequest(anchor, pos0, n_draft, seq_id)])[0]
+
+    def propose_sampled(self, anchor, pos0, n_draft, sampler, seq_id: int = 0) -> Proposal:
+        raise ValueError("the oracle proposer is greedy only (temperature 0)")
+
+    def close(self) -> None:
+        self.inner.close()

@@ -53,6 +53,9 @@ class VerifyPolicy:
     _version: int = 0             # bumped whenever an input of want_draft's estimate changes
     _pays: dict = field(default_factory=dict, repr=False)   # R -> (version, does drafting pay)
     _gaps: dict = field(default_factory=dict, repr=False)   # R -> (version, cycles between probes)
+    _restored_draft: bool = False  # draft_ms came from an earlier process (its first pass here is cold)
+    _draft_passes: int = 0         # draft passes timed in this process
+    memory_path: Optional[str] = field(default=None, repr=False)   # where .policy_memory keeps what it learned
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -89,7 +92,14 @@ class VerifyPolicy:
         proposer actually in use (a batched pass is not R single passes; an oracle costs ~0)."""
         if not self.learn_costs or n_requests <= 0 or not np.isfinite(ms) or ms < 0:
             return
+        self._draft_passes += 1
+        if self._draft_passes == 1 and self._restored_draft:
+            # the first pass of a process is cold (graph allocation, weights paged in): with a
+            # figure learned by an earlier process, it is not what drafting costs here
+            return
         old = self._draft_ms.get(n_requests)
+        if self._draft_passes == 2 and not self._restored_draft:
+            old = None   # the first, cold pass was a placeholder: the second one replaces it
         self._draft_ms[n_requests] = ms if old is None else old + 0.2 * (ms - old)
         self._version += 1
 
@@ -108,7 +118,8 @@ class VerifyPolicy:
         self._probing = False
         if not self.uses_cost:
             return True
-        if self.learn_costs and not self._draft_ms:   # one pass to learn what drafting costs here
+        if self.learn_costs and not self._restored_draft and self._draft_passes < 2:
+            # two passes to learn what drafting costs here (the first of a process is cold)
             return True
         if self._pays_now(max(1, n_requests)):
             self._skipped = 0
@@ -219,6 +230,38 @@ class VerifyPolicy:
             if c is not None and k < c.size:
                 self._hit_sum[k] = 0.97 * self._hit_sum[k] + hit
                 self._conf_sum[k] = 0.97 * self._conf_sum[k] + c[k]
+
+    # ---- what it learned, across processes (see .policy_memory) -----------------------------
+    def learned(self) -> dict:
+        """What the running estimates hold (JSON-able): acceptance per position and its weight,
+        the confidence correction's sums, the measured draft pass ms per R, the probe back-off."""
+        return dict(gamma=self.gamma, acc=self._acc.tolist(), n=self._n.tolist(), hit_sum=self._hit_sum.tolist(),
+                    conf_sum=self._conf_sum.tolist(), draft_ms={str(r): v for r, v in self._draft_ms.items()},
+                    probe_gap=self._probe_gap, cycles=self._cycles)
+
+    def restore(self, state: dict) -> bool:
+        """Start from what an earlier process learned (:meth:`learned`) instead of the optimistic
+        prior; False (nothing changed) when it does not fit this policy."""
+        try:
+            if int(state["gamma"]) != self.gamma:
+                return False
+            arrays = [np.asarray(state[k], dtype=np.float64) for k in ("acc", "n", "hit_sum", "conf_sum")]
+            draft_ms = {int(r): float(v) for r, v in dict(state.get("draft_ms") or {}).items()}
+            gap = int(state.get("probe_gap", self.probe_every))
+        except (KeyError, TypeError, ValueError):
+            return False
+        if any(a.shape != (self.gamma,) or not np.all(np.isfinite(a)) for a in arrays) or \
+                not all(r > 0 and np.isfinite(v) and v >= 0 for r, v in draft_ms.items()):
+            return False
+        acc, n, hit, conf = arrays
+        self._acc = np.clip(acc, ACC_FLOOR, 1.0)
+        self._n, self._hit_sum, self._conf_sum = np.maximum(n, 0), np.maximum(hit, 0), np.maximum(conf, 0)
+        if self.learn_costs:
+            self._draft_ms = draft_ms
+            self._restored_draft = bool(draft_ms)
+        self._probe_gap = max(1, min(gap, 16 * max(1, self.probe_every)))
+        self._version += 1
+        return True
 
     # ---- telling the user ---------------------------------------------------------------------
     def summary(self, verify_lengths: Optional[Sequence[int]] = None) -> str:
