@@ -21,25 +21,17 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pyllama_dspark.spec import costprofile
 
-ROOT = Path(__file__).resolve().parent.parent
+from cli_runner import ROOT, cli
 GSM8K = ROOT / "pyllama_dspark" / "data" / "prompts" / "gsm8k.jsonl"
 
 
-def _cli(*args, env=None):
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", *map(str, args)], capture_output=True,
-                          text=True, timeout=600, env=e, cwd=ROOT)
+_cli = cli
 
 
 def _finite_pos(xs):

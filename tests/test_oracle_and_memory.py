@@ -17,24 +17,16 @@ off, or for another proposer, a process drafts from its first cycles again.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from cli_runner import cli
 PROMPT = "The capital of France is"
 
 
-def _cli(*args, env=None):
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", *map(str, args)], capture_output=True,
-                          text=True, timeout=600, env=e, cwd=ROOT)
+_cli = cli
 
 
 def _prompt_ids(llama_refs):

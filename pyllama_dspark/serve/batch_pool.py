@@ -87,6 +87,9 @@ class BatchedPool(JobQueue):
             # freed under a decode that is still running
             self._thread.join()
             self._cancel_queued()   # whatever the worker did not take
+            from pyllama_dspark.spec import policy_memory
+
+            policy_memory.save(self._bd.policy)   # what auto learned, for the next process
             self.sp.close()
         finally:
             self._closed_now()

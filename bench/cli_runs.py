@@ -1,0 +1,91 @@
+"""``pyllama-dspark run`` as users run it: one process per prompt, the default against ``--no-draft``.
+
+    python bench/cli_runs.py [--prompts 5] [--repeats 2] [-n 96] [--drafts shipped,random,oracle:0.9]
+                             [--temps 0,0.8] [--fresh-memory]
+
+Every (draft, temperature) cell runs each prompt as ``run`` (the default: auto schedule) and as
+``run --no-draft``, each in its own process, back to back in an order rotated per prompt and repeat.
+Reported per cell: the median over runs of the generation's tok/s (the ``--json`` stats: prefill +
+decode, what ``run`` prints) as a ratio to no draft, and the median wall time of the whole process
+(start-up and model loading included) as a ratio.  ``--fresh-memory`` deletes what auto learned
+(``learned-*.json`` in the cache) before each cell's first run, so the cell's first run starts cold
+(the oracle's first-run figure).  Run it on an idle machine: llama.cpp's threads spin-wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+from pyllama_dspark.paths import cache_dir, default_draft
+from pyllama_dspark.prompts import load_prompts
+
+
+def run_cli(args):
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", "run", *args], capture_output=True,
+                       text=True, timeout=900)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr[-2000:])
+    return json.loads(p.stdout), wall
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("-n", type=int, default=96)
+    ap.add_argument("--drafts", default="shipped,random")
+    ap.add_argument("--temps", default="0,0.8")
+    ap.add_argument("--fresh-memory", action="store_true")
+    a = ap.parse_args()
+    items = load_prompts((), limit_per_file=a.prompts)[:a.prompts]
+    texts = [it.turns[0] for it in items]
+    rows = []
+    for draft in a.drafts.split(","):
+        md = [] if draft == "shipped" else ["-md", draft]
+        if draft == "shipped" and not default_draft():
+            continue
+        for temp in (float(x) for x in a.temps.split(",")):
+            if draft.startswith("oracle") and temp > 0:
+                continue
+            if a.fresh_memory:
+                for f in (cache_dir() / "profiles").glob("learned-*.json"):
+                    f.unlink()
+            res = {"default": [], "no-draft": []}
+            first = None
+            k = 0
+            for rep in range(a.repeats):
+                for text in texts:
+                    order = ["default", "no-draft"] if k % 2 == 0 else ["no-draft", "default"]
+                    k += 1
+                    for name in order:
+                        args = ["-p", text, "-n", str(a.n), "--ignore-eos", "--temp", str(temp), "--seed", "1",
+                                "--json"] + (md if name == "default" else ["--no-draft"])
+                        out, wall = run_cli(args)
+                        res[name].append((out["stats"]["tokens_per_second"], wall))
+                        if name == "default" and first is None:
+                            first = out["stats"]["tokens_per_second"]
+            base_tps = statistics.median(x[0] for x in res["no-draft"])
+            base_wall = statistics.median(x[1] for x in res["no-draft"])
+            row = dict(draft=draft, temp=temp, runs=len(res["default"]),
+                       no_draft_tps=round(base_tps, 1),
+                       tps_ratio=round(statistics.median(x[0] for x in res["default"]) / base_tps, 3),
+                       wall_ratio=round(base_wall / statistics.median(x[1] for x in res["default"]), 3),
+                       first_run_ratio=round(first / base_tps, 3))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| draft | T | runs | no draft tok/s | default / no draft (tok/s) | (wall, per process) | first run |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['draft']} | {r['temp']} | {r['runs']} | {r['no_draft_tps']} | {r['tps_ratio']:.3f} | "
+              f"{r['wall_ratio']:.3f} | {r['first_run_ratio']:.3f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

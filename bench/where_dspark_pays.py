@@ -1,0 +1,229 @@
+"""Where DSpark pays on this CPU, and whether ``auto`` finds the best verify length.
+
+    python bench/where_dspark_pays.py --targets smollm2,/tmp/targets/qwen3-0.6b-q4_0.gguf,... \\
+        [--p 0.3,0.5,0.7,0.8,0.9,0.95] [--fixed 1,2,3,5,7] [--rs 1,4] [-n 32] [--prompts 3] \\
+        [--json out.json] [--png out.png]
+
+For every target: the proposer is ``-md oracle:P`` (:class:`~pyllama_dspark.spec.oracle.OracleDraft`:
+the target's greedy continuation, a block of n drafts entirely right with probability P, else one
+wrong draft at a uniform position; a real pass of a draft of the target's shape paid every time,
+its tokens discarded; no confidences).  Configurations: no draft, fixed blocks n (``--schedule off
+--n-max n``; n = 3 is llama.cpp's default ``--spec-draft-n-max``, n = 7 the full block) and auto
+(the default schedule, one policy per (P, R) kept across the prompts as a server or the memory
+keeps it).  R = 1 (one sequence) and R = 4 (four sequences decoded together), T = 0.  Every
+prompt runs every configuration back to back in an order rotated per prompt; the table gives
+median tok/s over the prompts and its ratio to no draft.  Also printed: the target's cost curve
+t(k)/t(1), the draft pass time, and for each (target, R, P) auto against the best of (no draft,
+every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft + t(l + 1)).
+
+Run it on an idle machine: llama.cpp's threads spin-wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from pyllama_dspark.decode.api import oracle_draft_for
+from pyllama_dspark.decode.loop import Decoder
+from pyllama_dspark.llama.chat import build_chat_prompt
+from pyllama_dspark.llama.handles import ContextSettings
+from pyllama_dspark.llama.models import open_models
+from pyllama_dspark.paths import default_target
+from pyllama_dspark.prompts import load_prompts
+from pyllama_dspark.spec import costprofile
+from pyllama_dspark.spec.drafter import BlockRequest, DraftModelProposer
+from pyllama_dspark.spec.oracle import OracleDraft, greedy_reference
+from pyllama_dspark.spec.policy_factory import make_policy
+
+
+def expected_tau(P: float, ell: int, n: int = 7) -> float:
+    """Tokens per cycle when verifying ell of a block of n oracle drafts (the planted-error law)."""
+    if ell == 0:
+        return 1.0
+    e_min = sum(min(ell, u) for u in range(n)) / n
+    return 1.0 + P * ell + (1.0 - P) * e_min
+
+
+def draft_pass_ms(t, d, prompt, R: int, reps: int = 12) -> float:
+    """Median time of one draft pass of R blocks of 7 (after the prompt's rows are injected)."""
+    inner = DraftModelProposer(d)
+    for s in range(R):
+        t.seq_rm(s, 0, -1)
+        inner.reset(s)
+    t.decode(np.asarray(prompt, dtype=np.int32), 0, 0, all_outputs=True)
+    inner.observe(0, len(prompt), 0, 0)
+    for s in range(1, R):
+        d.seq_rm(s, 0, -1)
+        inner.draft.inject(t.features(0, len(prompt)), np.arange(len(prompt), dtype=np.int32), s)
+    reqs = [BlockRequest(int(prompt[-1]), len(prompt), 7, s) for s in range(R)]
+    inner.propose_batch(reqs)   # cold
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        inner.propose_batch(reqs)
+        times.append((time.perf_counter() - t0) * 1e3)
+    for s in range(R):
+        t.seq_rm(s, 0, -1)
+        inner.reset(s)
+    return float(np.median(times))
+
+
+def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log):
+    draft = oracle_draft_for(path)
+    items = load_prompts((), limit_per_file=1)[:n_prompts]
+    out = {"target": os.path.basename(path), "draft": os.path.basename(draft), "cells": []}
+    for R in rs:
+        cs = ContextSettings(n_ctx=1024 * R, n_threads=threads, flash_attn="auto", n_seq_max=R)
+        t, d, _ = open_models(path, draft, cs)
+        with t:
+            prof = costprofile.auto_profile(t)
+            curve = prof.verify_ms
+            if R == rs[0]:
+                out["curve"] = [c / curve[0] for c in curve]
+                out["t1_ms"] = curve[0]
+                log(f"\n== {out['target']} (draft {out['draft']}): t(1) = {curve[0]:.2f} ms; t(k)/t(1) for k = 1..8: "
+                    + " ".join(f"{c / curve[0]:.2f}" for c in curve[:8]) + f"; k = 16: {curve[15] / curve[0]:.2f}, "
+                    f"32: {curve[31] / curve[0]:.2f}")
+            prompts = [build_chat_prompt(t, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
+            refs = [greedy_reference(t, p, n) for p in prompts]
+            tdraft = draft_pass_ms(t, d, prompts[0], R)
+            log(f"R={R}: draft pass of {R} block(s) of 7: {tdraft:.2f} ms")
+            inner = DraftModelProposer(d)
+            configs = [("none", 0)] + [(f"fixed {k}", k) for k in fixed] + [("auto", 7)]
+            results = {("none", None): []}
+            policies = {}
+            for P in Ps:
+                for name, k in configs[1:]:
+                    results[(name, P)] = []
+                oracle = OracleDraft(t, inner, P)
+                policies[P] = make_policy(t, d, "auto", proposer=oracle, gamma=7, remember=False)
+            runs = [("none", None)] + [(name, P) for P in Ps for name, _ in configs[1:]]
+            kmap = dict(configs)
+            for i in range(len(prompts)):
+                batch = [prompts[(i + j) % len(prompts)] for j in range(R)]
+                brefs = [refs[(i + j) % len(prompts)] for j in range(R)]
+                rot = runs[i % len(runs):] + runs[:i % len(runs)]
+                for name, P in rot:
+                    if name == "none":
+                        prop, pol, nm = None, None, 1
+                    else:
+                        prop = OracleDraft(t, inner, P, seed=i)
+                        for p_, r_ in zip(batch, brefs):
+                            prop.set.add(p_, r_)
+                        pol = policies[P] if name == "auto" else None
+                        nm = kmap[name]
+                    dec = Decoder(t, prop, n_max=nm, policy=pol)
+                    rids = [dec.submit(p_, n, ignore_eos=True) for p_ in batch]
+                    t0 = time.perf_counter()
+                    while dec.pending():
+                        dec.step()
+                    dt = time.perf_counter() - t0
+                    done = [dec.result(r) for r in rids]
+                    for dn, r_ in zip(done, brefs):
+                        if dn.tokens != r_[:len(dn.tokens)]:
+                            log(f"  note: {name} P={P} differs from the reference (near-tie?)")
+                    ntok = sum(len(dn.tokens) for dn in done)
+                    cyc = sum(dn.stats.cycles for dn in done)
+                    acc = sum(dn.stats.accepted for dn in done)
+                    ver = sum(sum(dn.stats.verify_lengths) for dn in done)
+                    results[(name, P)].append((ntok / dt, (acc + cyc) / max(cyc, 1), ver / max(cyc, 1)))
+            base = statistics.median(x[0] for x in results[("none", None)])
+            for P in Ps:
+                row = {"R": R, "P": P, "none_tps": base}
+                for name, k in configs[1:]:
+                    xs = results[(name, P)]
+                    row[name] = statistics.median(x[0] for x in xs) / base
+                    row[name + " tau"] = statistics.median(x[1] for x in xs)
+                    row[name + " verified"] = statistics.median(x[2] for x in xs)
+                best_fixed = max(row[f"fixed {k}"] for k in fixed)
+                row["best"] = max(1.0, best_fixed)
+                row["auto/best"] = row["auto"] / row["best"]
+                lim = [(expected_tau(P, ell) * curve[(R - 1)] / ((tdraft if ell else 0.0)
+                        + curve[min(len(curve), R * (ell + 1)) - 1]), ell) for ell in range(0, 8)]
+                row["limit"], row["limit_l"] = max(lim)
+                out["cells"].append(row)
+    return out
+
+
+def print_table(res, fixed, log):
+    hdr = ["R", "P", "no draft tok/s"] + [f"n={k}" for k in fixed] + ["auto", "auto tau", "auto/best", "limit (l)"]
+    log("\n" + res["target"] + ": speedup over no draft (median tok/s ratio)")
+    log(" | ".join(hdr))
+    for c in res["cells"]:
+        log(" | ".join([str(c["R"]), f"{c['P']:.2f}", f"{c['none_tps']:.1f}"]
+                       + [f"{c[f'fixed {k}']:.2f}" for k in fixed]
+                       + [f"{c['auto']:.2f}", f"{c['auto tau']:.2f}", f"{c['auto/best']:.3f}",
+                          f"{c['limit']:.2f} ({c['limit_l']})"]))
+
+
+def plot(results, fixed, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        for R, style in ((1, "-"), (4, "--")):
+            cells = [c for c in res["cells"] if c["R"] == R]
+            if not cells:
+                continue
+            P = [c["P"] for c in cells]
+            ax.plot(P, [c["auto"] for c in cells], "o" + style, color="C0", label=f"auto R={R}")
+            ax.plot(P, [max(c[f"fixed {k}"] for k in fixed) for c in cells], "s" + style, color="C1",
+                    label=f"best fixed R={R}")
+            ax.plot(P, [c["fixed 3"] for c in cells], "^" + style, color="C2", label=f"llama.cpp n=3 R={R}")
+            ax.plot(P, [c["fixed 7"] for c in cells], "v" + style, color="C3", label=f"full block 7 R={R}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_title(res["target"], fontsize=9)
+        ax.set_xlabel("oracle P (block right)")
+        ax.set_ylabel("speedup over no draft")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default="smollm2")
+    ap.add_argument("--p", default="0.3,0.5,0.7,0.8,0.9,0.95")
+    ap.add_argument("--fixed", default="1,2,3,5,7")
+    ap.add_argument("--rs", default="1,4")
+    ap.add_argument("-n", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None)
+    a = ap.parse_args()
+    Ps = [float(x) for x in a.p.split(",")]
+    fixed = [int(x) for x in a.fixed.split(",")]
+    rs = [int(x) for x in a.rs.split(",")]
+
+    def log(m):
+        print(m, flush=True)
+
+    results = []
+    for spec in a.targets.split(","):
+        path = default_target() if spec == "smollm2" else spec
+        t0 = time.time()
+        res = sweep_target(path, Ps, fixed, rs, a.n, a.prompts, a.threads, log)
+        print_table(res, fixed, log)
+        log(f"({time.time() - t0:.0f} s)")
+        results.append(res)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(results, f, indent=1)
+    if a.png:
+        plot(results, fixed, a.png)
+        log(f"wrote {a.png}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
