@@ -163,27 +163,54 @@ def make_test_draft_cmd(target, output, kind, n_layers, block_size, markov_rank,
 
 
 from pyllama_dspark.gguf.target_archs import TARGET_ARCHS as _TARGET_ARCHS  # noqa: E402
+from pyllama_dspark.gguf.target_sizes import (ALL_SIZES as _ALL_SIZES, TARGET_TYPES as _TARGET_TYPES,  # noqa: E402
+                                              sizes_for as _sizes_for)
 
 
 @main.command("make-test-target")
 @click.option("--arch", type=click.Choice(_TARGET_ARCHS), required=True,
               help="Architecture (gemma3: not a DSpark target, llama.cpp cannot capture its layer inputs).")
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), required=True)
+@click.option("--size", type=click.Choice(_ALL_SIZES, case_sensitive=False), default=None,
+              help="Real model shape (layers, width, heads, KV heads, head size, FFN width, vocabulary, tied "
+                   "embeddings, RoPE base) instead of the small default: qwen3 0.6b / 1.7b / 4b / 8b (Qwen3), "
+                   "llama 1b / 3b (Llama 3.2), gemma4 12b (Gemma 4 12B).  Weights F16 unless --type.")
+@click.option("--type", "qtype", type=click.Choice(_TARGET_TYPES, case_sensitive=False), default=None,
+              help="Type of every weight matrix (norms stay F32): f16, or q8_0 / q4_0 / q4_k_m made by "
+                   "llama.cpp's quantizer from an F16 file written next to the output first (then deleted).  "
+                   "Default: F16 with --size; without it F32 weights and --vocab-type.")
 @click.option("--n-vocab", "n_vocab", type=int, default=None,
-              help="Vocabulary size (default: the architecture's real one, e.g. 151936 qwen3, 262144 gemma4).")
+              help="Vocabulary size (default: the architecture's real one, e.g. 151936 qwen3, 262144 gemma4; "
+                   "--size fixes it).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--peaked", type=float, default=None,
-              help="Scale the output weights by X (logits std ~X: model-like peaked distributions).")
-@click.option("--layers", "n_layer", type=int, default=None, help="Target layers (default 4; 6 for gemma4).")
-@click.option("--vocab-type", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f16", show_default=True,
-              help="Encoding of the embedding / output matrices (the rest is F32).")
-def make_test_target_cmd(arch, output, n_vocab, seed, peaked, n_layer, vocab_type):
-    """Write a small random-weight target GGUF of a DSpark target architecture (tests, benchmarks)."""
-    from pyllama_dspark.gguf.target_writer import make_test_target
+              help="Scale the output weights by X (logits std ~X: model-like peaked distributions; with a tied "
+                   "--size, the shared embedding / output matrix).")
+@click.option("--layers", "n_layer", type=int, default=None,
+              help="Target layers (default 4; 6 for gemma4; with --size the real depth, this overrides it and "
+                   "keeps the real widths).")
+@click.option("--vocab-type", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default=None,
+              help="Encoding of the embedding / output matrices of the small default target, the rest being F32 "
+                   "(default f16; not with --type or --size).")
+@click.option("-t", "--threads", type=int, default=None, help="Quantizer threads (default: all cores).")
+def make_test_target_cmd(arch, output, size, qtype, n_vocab, seed, peaked, n_layer, vocab_type, threads):
+    """Write a random-weight target GGUF of a DSpark target architecture (tests, benchmarks): small by
+    default, or at a real model's shape (--size) and weight type (--type)."""
+    if size is not None:
+        size = size.lower()
+        if size not in _sizes_for(arch):
+            ok = _sizes_for(arch)
+            raise click.BadParameter(f"{arch} has no size {size}; " + (
+                f"choose one of {', '.join(ok)}" if ok else "no --size for this arch"), param_hint="--size")
+        if n_vocab is not None:
+            raise click.UsageError(f"--n-vocab conflicts with --size {size} (its vocabulary is the real one)")
+    if vocab_type is not None and (qtype is not None or size is not None):
+        raise click.UsageError("--vocab-type is for the small default target; --type / --size set every weight's type")
+    from pyllama_dspark.llama.quantize import write_test_target
 
     try:
-        make_test_target(output, arch, n_vocab=n_vocab, seed=seed, peaked=peaked, n_layer=n_layer,
-                         vocab_type=vocab_type)
+        write_test_target(output, arch, qtype=qtype.lower() if qtype else None, nthread=threads, size=size,
+                          n_vocab=n_vocab, seed=seed, peaked=peaked, n_layer=n_layer, vocab_type=vocab_type or "f16")
     except (DSparkError, ValueError, OSError) as e:
         _fail(e)
     click.echo(f"wrote {output}")

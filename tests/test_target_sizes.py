@@ -1,0 +1,236 @@
+"""``make-test-target --size`` / ``--type``: real model shapes and llama.cpp's quantizer.
+
+References, independent of our table (``pyllama_dspark.gguf.target_sizes``):
+
+* ``PUBLISHED``: the models' own numbers, typed here from their ``config.json`` and model cards --
+  Qwen3 cards "Number of Parameters: 0.6B / 1.7B / 4.0B / 8.2B", "Non-Embedding: 0.44B / 1.4B /
+  3.6B / 6.95B"; Llama 3.2 card "1B (1.23B)", "3B (3.21B)"; Gemma 4 12B card 11.95B (the text decoder
+  plus small vision / audio embedders).  The parameter count is summed over the tensor shapes the
+  writer plans (no weights written);
+* llama.cpp itself reading a written file (``llama_model_n_*``, generation), and gguf-py's reader
+  for the tensor types llama.cpp's quantizer chose.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from pyllama_dspark.cli.main import main
+from pyllama_dspark.gguf.target_writer import count_params, plan_test_target
+
+# (arch, size): layers, width, heads, KV heads (sliding layers for gemma4), head size, FFN, vocab, tied,
+# published total parameters, published non-embedding parameters (None: not published)
+PUBLISHED = {
+    ("qwen3", "0.6b"): (28, 1024, 16, 8, 128, 3072, 151936, True, 0.6e9, 0.44e9),
+    ("qwen3", "1.7b"): (28, 2048, 16, 8, 128, 6144, 151936, True, 1.7e9, 1.4e9),
+    ("qwen3", "4b"): (36, 2560, 32, 8, 128, 9728, 151936, True, 4.0e9, 3.6e9),
+    ("qwen3", "8b"): (36, 4096, 32, 8, 128, 12288, 151936, False, 8.2e9, 6.95e9),
+    ("llama", "1b"): (16, 2048, 32, 8, 64, 8192, 128256, True, 1.23e9, None),
+    ("llama", "3b"): (28, 3072, 24, 8, 128, 8192, 128256, True, 3.21e9, None),
+    ("gemma4", "12b"): (48, 3840, 16, 8, 256, 15360, 262144, True, 11.95e9, None),
+}
+# Gemma 4 12B's full-attention layers (every 6th): head 512, 1 KV head, K used as V (no v_proj)
+G4_FULL = dict(head_dim=512, n_kv=1, every=6)
+
+
+def _meta(meta, key):
+    return meta[key][0]
+
+
+@pytest.mark.parametrize("arch,size", list(PUBLISHED))
+def test_size_matches_the_published_model(arch, size):
+    layers, embd, heads, kv, hd, ff, vocab, tied, total_pub, non_emb_pub = PUBLISHED[(arch, size)]
+    a, meta, plan = plan_test_target(arch, size=size)
+    shapes = {t.name: t.shape for t in plan}
+    total, non_emb = count_params(plan)
+    print(f"{arch} {size}: {total / 1e9:.3f}B total (published {total_pub / 1e9}B), "
+          f"{non_emb / 1e9:.3f}B non-embedding" + (f" (published {non_emb_pub / 1e9}B)" if non_emb_pub else ""))
+    assert abs(total / total_pub - 1) < 0.02
+    if non_emb_pub:
+        assert abs(non_emb / non_emb_pub - 1) < 0.02
+    assert _meta(meta, f"{a}.block_count") == layers
+    assert _meta(meta, f"{a}.embedding_length") == embd
+    assert _meta(meta, f"{a}.attention.head_count") == heads
+    assert _meta(meta, f"{a}.feed_forward_length") == ff
+    assert sum(1 for n in shapes if n.endswith(".attn_norm.weight")) == layers
+    assert shapes["token_embd.weight"] == (vocab, embd)
+    assert ("output.weight" in shapes) == (not tied)
+    assert _meta(meta, "tokenizer.ggml.tokens").__len__() == vocab
+    for il in range(layers):
+        full = arch == "gemma4" and (il + 1) % G4_FULL["every"] == 0
+        h, nkv = (G4_FULL["head_dim"], G4_FULL["n_kv"]) if full else (hd, kv)
+        p = f"blk.{il}."
+        assert shapes[p + "attn_q.weight"] == (heads * h, embd), p
+        assert shapes[p + "attn_k.weight"] == (nkv * h, embd), p
+        assert shapes.get(p + "attn_v.weight") == (None if full else (nkv * h, embd)), p
+        assert shapes[p + "attn_output.weight"] == (embd, heads * h), p
+        assert shapes[p + "ffn_gate.weight"] == (ff, embd) and shapes[p + "ffn_down.weight"] == (embd, ff), p
+    if arch == "gemma4":
+        kv_arr = _meta(meta, "gemma4.attention.head_count_kv")
+        assert kv_arr == [G4_FULL["n_kv"] if (il + 1) % 6 == 0 else kv for il in range(layers)]
+        assert _meta(meta, "gemma4.attention.key_length") == G4_FULL["head_dim"]
+        assert _meta(meta, "gemma4.attention.key_length_swa") == hd
+        assert _meta(meta, "gemma4.attention.sliding_window") == 1024
+    else:
+        assert _meta(meta, f"{a}.attention.head_count_kv") == kv
+        assert _meta(meta, f"{a}.attention.key_length") == hd
+
+
+def _tensor_types(path):
+    """({tensor name: ggml type name}, general.file_type), read straight from the GGUF format (v3:
+    header, key/values, tensor infos; gguf-py's GGUFReader takes ~6 s over a 151,936-token vocabulary)."""
+    import struct
+
+    import gguf
+
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+    with open(path, "rb") as f:
+        def rd(fmt):
+            return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
+
+        def rstr():
+            return f.read(rd("Q")).decode("utf-8", "replace")
+
+        def value(vt):
+            if vt == 8:
+                return rstr()
+            if vt == 9:
+                sub, n = rd("I"), rd("Q")
+                if sub in scalar:
+                    f.seek(n * struct.calcsize(scalar[sub]), 1)
+                else:
+                    for _ in range(n):
+                        value(sub)
+                return None
+            return rd(scalar[vt])
+
+        assert f.read(4) == b"GGUF" and rd("I") == 3
+        n_tensors, n_kv = rd("Q"), rd("Q")
+        meta = {}
+        for _ in range(n_kv):
+            key = rstr()
+            meta[key] = value(rd("I"))
+        types = {}
+        for _ in range(n_tensors):
+            name = rstr()
+            f.seek(8 * rd("I"), 1)
+            types[name] = gguf.GGMLQuantizationType(rd("I")).name
+            rd("Q")
+    return types, int(meta["general.file_type"])
+
+
+def _load_and_generate(path, n_tokens=4):
+    """llama.cpp's view of the file: (n_layer, n_embd, n_head, n_head_kv, n_vocab), and the last logits
+    after greedily generating a few tokens (all finite)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(path, n_ctx=64, n_batch=64, verbose=False)
+    try:
+        m = llm.model
+        dims = (llama_cpp.llama_model_n_layer(m), llama_cpp.llama_model_n_embd(m), llama_cpp.llama_model_n_head(m),
+                llama_cpp.llama_model_n_head_kv(m), llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(m)))
+        toks = [1, 300, 301, 302]
+        for _ in range(n_tokens):
+            llm.eval(toks[-1:] if len(toks) > 4 else toks)
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
+            assert np.isfinite(logits).all()
+            toks.append(int(np.argmax(logits)))
+        return dims, logits
+    finally:
+        llm.close()
+
+
+def test_real_qwen3_06b_q4_0_read_by_llama_cpp(tmp_path):
+    """The real 0.6B shape (all 28 layers, 151,936-token vocabulary), Q4_0 from llama.cpp's quantizer."""
+    out = tmp_path / "q06.gguf"
+    r = CliRunner().invoke(main, ["make-test-target", "--arch", "qwen3", "--size", "0.6b", "--type", "q4_0",
+                                  "--peaked", "4", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert sorted(os.listdir(tmp_path)) == ["q06.gguf"]           # the F16 temporary file is gone
+    layers, embd, heads, kv, hd, ff, vocab = PUBLISHED[("qwen3", "0.6b")][:7]
+    types, ftype = _tensor_types(str(out))
+    assert ftype == 2                                              # LLAMA_FTYPE_MOSTLY_Q4_0
+    mats = [n for n in types if n.startswith("blk.") and n.endswith(("attn_q.weight", "attn_k.weight",
+                                                                     "attn_v.weight", "attn_output.weight",
+                                                                     "ffn_gate.weight", "ffn_up.weight",
+                                                                     "ffn_down.weight"))]
+    assert len(mats) == 7 * layers and {types[n] for n in mats} == {"Q4_0"}
+    assert "output.weight" not in types                            # tied
+    assert {types[n] for n in types if n.endswith("norm.weight")} == {"F32"}
+    dims, logits = _load_and_generate(str(out))
+    assert dims == (layers, embd, heads, kv, vocab)
+    print(f"0.6b q4_0: {os.path.getsize(out) / 2**20:.0f} MiB, logits std {logits.std():.2f}")
+    assert 1.0 < logits.std() < 20.0                               # peaked x4, not degenerate
+
+
+@pytest.mark.parametrize("qtype,dominant,file_type", [("f16", "F16", 1), ("q8_0", "Q8_0", 7), ("q4_0", "Q4_0", 2)])
+def test_type_on_the_small_default_target(tmp_path, qtype, dominant, file_type):
+    out = tmp_path / f"t-{qtype}.gguf"
+    r = CliRunner().invoke(main, ["make-test-target", "--arch", "qwen3", "--n-vocab", "2048", "--type", qtype,
+                                  "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert sorted(os.listdir(tmp_path)) == [out.name]
+    types, ftype = _tensor_types(str(out))
+    counts = collections.Counter(t for n, t in types.items() if not n.endswith("norm.weight"))
+    assert ftype == file_type and counts.most_common(1)[0][0] == dominant, counts
+    assert types["blk.0.attn_q.weight"] == types["blk.3.ffn_up.weight"] == dominant
+    dims, _ = _load_and_generate(str(out), 2)
+    assert dims == (4, 128, 4, 2, 2048)
+
+
+def test_type_q4_k_m(tmp_path):
+    """Q4_K_M needs rows of 256: a 256-wide small target (at width 128 llama.cpp falls back to Q5_0)."""
+    from pyllama_dspark.llama.quantize import write_test_target
+
+    out = write_test_target(tmp_path / "k.gguf", "qwen3", qtype="q4_k_m", n_vocab=2048, n_embd=256, head_dim=64,
+                            n_ff=512)
+    types, ftype = _tensor_types(out)
+    counts = collections.Counter(t for n, t in types.items() if not n.endswith("norm.weight"))
+    assert ftype == 15 and counts.most_common(1)[0][0] == "Q4_K", counts
+    assert types["output.weight"] == "Q6_K" and "Q6_K" in {types[f"blk.{i}.ffn_down.weight"] for i in range(4)}
+    dims, _ = _load_and_generate(out, 2)
+    assert dims == (4, 256, 4, 2, 2048)
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["--arch", "llama", "--size", "0.6b"], 2, "llama has no size 0.6b; choose one of 1b, 3b"),
+    (["--arch", "qwen3moe", "--size", "8b"], 2, "no --size for this arch"),
+    (["--arch", "qwen3", "--size", "9b"], 2, "'9b' is not one of"),
+    (["--arch", "qwen3", "--size", "0.6b", "--n-vocab", "4096"], 2, "--n-vocab conflicts with --size"),
+    (["--arch", "qwen3", "--type", "q4_0", "--vocab-type", "f32"], 2, "--vocab-type is for the small default"),
+    (["--arch", "qwen3", "--type", "q5_1"], 2, "'q5_1' is not one of"),
+    (["--arch", "qwen3", "--size", "0.6b", "--layers", "0"], 1, "n_layer must be >= 1"),
+    (["--arch", "gemma4", "--size", "12b", "--peaked", "-1"], 1, "peaked must be a positive number"),
+])
+def test_bad_input_is_a_clear_cli_error(tmp_path, args, code, needle):
+    r = CliRunner().invoke(main, ["make-test-target", "-o", str(tmp_path / "x.gguf")] + args)
+    assert r.exit_code == code, r.output
+    assert needle in r.output and "Traceback" not in r.output, r.output
+    assert isinstance(r.exception, SystemExit)
+    assert os.listdir(tmp_path) == []
+
+
+def test_quantizer_failure_raises_and_cleans_up(tmp_path, monkeypatch):
+    from pyllama_dspark.llama import quantize as q
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(q.QuantizeError, match="llama_model_quantize"):
+        q.quantize_gguf(bad, tmp_path / "out.gguf", "q4_0")
+    bad.unlink()
+    for p in tmp_path.iterdir():
+        p.unlink()
+
+    def boom(*a, **k):
+        raise q.QuantizeError("planted failure")
+
+    monkeypatch.setattr(q, "quantize_gguf", boom)
+    r = CliRunner().invoke(main, ["make-test-target", "--arch", "qwen3", "--n-vocab", "1024", "--type", "q8_0",
+                                  "-o", str(tmp_path / "y.gguf")])
+    assert r.exit_code == 1 and "planted failure" in r.output, r.output
+    assert os.listdir(tmp_path) == []                                # no temporary or partial file left
