@@ -169,6 +169,26 @@ DSPARK_API int32_t dspark_markov_w1_rows(dspark_markov * m, const int32_t * prev
 DSPARK_API int32_t dspark_markov_bias_w1(dspark_markov * m, const int32_t * prev, int32_t n, float * out_bias,
                                          float * out_w1);
 
+// The bias of a difference vector d [rank] (e.g. W1[x] - W1[a]: what re-conditions a row from token a
+// to token x) on some draft rows only: out[i] = scale * W2[rows[i]] . d, i < n; rows NULL: every draft
+// row (out [n_vocab_draft], n ignored).  One device call.
+DSPARK_API int32_t dspark_markov_bias_dot(dspark_markov * m, const float * d, const int32_t * rows, int32_t n,
+                                          float * out);
+// The pruned re-conditioning of a row x [n] (target ids) by the bias of d: the ids (ascending, to
+// out_ids, at most cap) that may survive the chain's filter on x + scale * W2 . d -- with top_k > 0
+// (< n) those that may enter the top_k, else with min_p > 0 those that may reach max + log(min_p) --
+// and their exact values x + bias to out_vals.  t2d [n]: the draft row of each target id (-1: none,
+// bias 0), NULL when n == n_vocab_draft.  Every forced id is included and gives no bound (its value
+// changes afterwards: banned, penalized, logit bias).  The bound: 7-bit / 8-bit copies of W2 and d, whose
+// dot is exact, plus the norms of both quantization errors (and the float rounding of the exact
+// product).  Returns the count, or 0 when no bound applies (no filter, fewer than top_k finite
+// bounds, more than cap ids): bias the whole row then.
+DSPARK_API int32_t dspark_markov_candidates(dspark_markov * m, const float * x, int32_t n, const int32_t * t2d,
+                                            const float * d, int32_t top_k, float min_p, const int32_t * forced,
+                                            int32_t n_forced, int32_t * out_ids, float * out_vals, int32_t cap);
+// Builds the 7-bit copy of W2 the candidates use (otherwise built on their first call).
+DSPARK_API int32_t dspark_markov_prune_prepare(dspark_markov * m);
+
 #ifdef __cplusplus
 }
 #endif

@@ -189,6 +189,16 @@ markov_bias = _proto("dspark_markov_bias", c_int32, c_void_p, _p_i32, c_int32, _
 markov_w1_rows = _proto("dspark_markov_w1_rows", c_int32, c_void_p, _p_i32, c_int32, _p_f32)
 # int32_t dspark_markov_bias_w1(dspark_markov * m, const int32_t * prev, int32_t n, float * out_bias, float * out_w1);
 markov_bias_w1 = _proto("dspark_markov_bias_w1", c_int32, c_void_p, _p_i32, c_int32, _p_f32, _p_f32)
+# (the arrays of these as c_void_p: the per-row caller passes addresses)
+# int32_t dspark_markov_bias_dot(dspark_markov * m, const float * d, const int32_t * rows, int32_t n, float * out);
+markov_bias_dot = _proto_opt("dspark_markov_bias_dot", c_int32, c_void_p, c_void_p, c_void_p, c_int32, c_void_p)
+# int32_t dspark_markov_candidates(dspark_markov * m, const float * x, int32_t n, const int32_t * t2d, const float * d,
+#                                  int32_t top_k, float min_p, const int32_t * forced, int32_t n_forced,
+#                                  int32_t * out_ids, float * out_vals, int32_t cap);
+markov_candidates = _proto_opt("dspark_markov_candidates", c_int32, c_void_p, c_void_p, c_int32, c_void_p, c_void_p,
+                               c_int32, c_float, c_void_p, c_int32, c_void_p, c_void_p, c_int32)
+# int32_t dspark_markov_prune_prepare(dspark_markov * m);
+markov_prune_prepare = _proto_opt("dspark_markov_prune_prepare", c_int32, c_void_p)
 
 if abi_version() != ABI_VERSION:
     raise NativeError(f"shim ABI {abi_version()} != expected {ABI_VERSION}: reinstall pyllama-dspark")
