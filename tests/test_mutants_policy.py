@@ -351,3 +351,47 @@ def test_learned_and_restore_by_hand():
     # with fixed costs the draft figure is the profile's: not restored
     f = VerifyPolicy(mode="auto", cost=NEVER, gamma=3, learn_costs=False)
     assert f.restore(st) and f._draft_ms == {}
+
+
+def _theta_by_hand(acc, n, t, draft_full, gamma=7, share=0.05):
+    """Tokens per second of drafting a block of n and verifying all of it (the law, written out)."""
+    surv = np.cumprod(acc[:n])
+    factor = 1.0 if n >= gamma else share + (1 - share) * n / gamma
+    return (1 + surv.sum()) / ((t(1 + n) + draft_full * factor) / 1e3)
+
+
+@pytest.mark.parametrize("acc0, draft_full", [(0.8, 8.0), (0.6, 8.0), (0.95, 2.0), (0.9, 30.0), (0.5, 20.0)])
+def test_draft_length_is_the_block_that_pays_most(acc0, draft_full):
+    """A memory-bound-like curve t(B) = 10 + (B - 1) ms: each verified row costs 1 ms, so every
+    admitted draft pays and the best block trades its acceptance against its pass
+    (0.05 fixed + 0.95 per drafted row of the full block's time)."""
+    from pyllama_dspark.spec.policy import DRAFT_FIXED_SHARE
+
+    assert DRAFT_FIXED_SHARE == 0.05
+    t = lambda b: 10.0 + (b - 1)   # noqa: E731
+    cost = CostModel([t(b) for b in range(1, 33)], [draft_full])
+    p = VerifyPolicy(mode="auto", cost=cost, gamma=7, learn_costs=False)
+    p._acc = np.full(7, acc0)
+    thetas = [1 / (t(1) / 1e3)] + [_theta_by_hand(p._acc, n, t, draft_full) for n in range(1, 8)]
+    best = int(np.argmax(thetas))
+    # near-ties (0.5%) go to the longer block
+    want = max(n for n in range(8) if thetas[n] >= thetas[best] * 0.995) if best else 0
+    assert p._plan(1, 7)[0] == want
+    assert p._pays_now(1) == (want > 0)
+    if want:
+        assert p.draft_length(1, 7) == want and p.draft_length(1, 3) == min(3, p._plan(1, 3)[0] or 3)
+        p._conf_seen = True                      # confidences may cut later: one more draft
+        assert p.draft_length(1, 7) == min(7, want + 1)
+    p._probing = True
+    assert p.draft_length(1, 7) == 7             # a probe drafts the full block
+    assert VerifyPolicy().draft_length(4, 5) == 5 and VerifyPolicy(mode="static").draft_length(1, 7) == 7
+
+
+def test_block_factor_and_short_pass_estimates():
+    p = VerifyPolicy(mode="auto", cost=FLAT, gamma=7)
+    assert p.block_factor(None) == 1.0 and p.block_factor(7) == 1.0 and p.block_factor(9) == 1.0
+    assert p.block_factor(3) == pytest.approx(0.05 + 0.95 * 3 / 7) and p.block_factor(0) == p.block_factor(1)
+    p.observe_draft(1, 99.0)
+    f3 = 0.05 + 0.95 * 3 / 7
+    p.observe_draft(1, 10.0 * f3, 3)             # a 3-draft pass: 10 ms for the full block
+    assert p.draft_estimate(1) == pytest.approx(10.0) and p.draft_estimate(1, 3) == pytest.approx(10.0 * f3)

@@ -305,8 +305,10 @@ class Decoder:
                     if s.n_max > 0 and min(self.n_ctx_seq - s.pos0 - 2, s.max_tokens - len(s.out) - 1) > 0
                     and s.pos0 + s.n_max + offset <= self.n_ctx_seq]
             if room and pol.want_draft(len(room)):
-                props = propose_all(prop, [BlockRequest(act[r].anchor, act[r].pos0, act[r].n_max, act[r].seq_id,
-                                                        act[r].smp) for r in room])
+                # the policy's block: a cost-driven one drafts only what it plans to verify
+                n_block = pol.draft_length(len(room), max(act[r].n_max for r in room))
+                props = propose_all(prop, [BlockRequest(act[r].anchor, act[r].pos0, min(act[r].n_max, n_block),
+                                                        act[r].seq_id, act[r].smp) for r in room])
                 for r, p in zip(room, props):
                     s = act[r]
                     limit = min(self.n_ctx_seq - s.pos0 - 2, s.max_tokens - len(s.out) - 1)
@@ -324,7 +326,7 @@ class Decoder:
         lengths = pol.lengths(confs, n_drafted) if n_in_pass else n_drafted
         if n_in_pass and any(n_drafted):
             # after the cut: at T > 0 the pass's time depends on the drafted tokens themselves
-            pol.observe_draft(n_in_pass, (t1 - t0) * 1e3)
+            pol.observe_draft(n_in_pass, (t1 - t0) * 1e3, n_block)
         # 3. one target decode with every request's verify rows
         tok, pos, seqs = self._rows_tok, self._rows_pos, self._rows_seq
         offs = []

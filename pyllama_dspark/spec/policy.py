@@ -20,11 +20,17 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from pyllama_dspark.spec.schedule import CostModel, apply_sts, schedule, should_draft, static_cut, survival, survival_cut
+from pyllama_dspark.spec.schedule import CostModel, apply_sts, schedule, static_cut, survival, survival_cut
 
 MODES = ("off", "static", "survival", "profiled", "auto")
 COST_MODES = ("profiled", "auto")
 ACC_FLOOR = 1e-3
+#: The share of a draft pass that does not shrink with a shorter block (graph build, per-pass
+#: work); the rest is per drafted row.  Measured on this CPU (bench/where_dspark_pays.py prints the
+#: pass per block size): a 1-draft pass of the shipped SmolLM2 drafter is 0.14 of a 7-draft pass
+#: at R = 1 and 0.11 at R = 4, i.e. nearly linear.  Draft pass times are kept as full-block
+#: equivalents through it.
+DRAFT_FIXED_SHARE = 0.05
 
 
 @dataclass
@@ -55,6 +61,8 @@ class VerifyPolicy:
     _gaps: dict = field(default_factory=dict, repr=False)   # R -> (version, cycles between probes)
     _restored_draft: bool = False  # draft_ms came from an earlier process (its first pass here is cold)
     _draft_passes: int = 0         # draft passes timed in this process
+    _plans: dict = field(default_factory=dict, repr=False)  # (R, n_max) -> (version, (block, throughput))
+    _conf_seen: bool = False       # the proposals carry confidences (verification may go past the plan)
     memory_path: Optional[str] = field(default=None, repr=False)   # where .policy_memory keeps what it learned
 
     def __post_init__(self):
@@ -87,11 +95,20 @@ class VerifyPolicy:
         return apply_sts(c[None, :], self.temperatures)[0]
 
     # ---- draft cost ---------------------------------------------------------------------------
-    def observe_draft(self, n_requests: int, ms: float) -> None:
-        """A draft pass over ``n_requests`` blocks took ``ms``: the scheduler's estimate follows the
-        proposer actually in use (a batched pass is not R single passes; an oracle costs ~0)."""
+    def block_factor(self, n_draft: Optional[int]) -> float:
+        """A pass drafting ``n_draft`` tokens over a full block's pass."""
+        if n_draft is None or n_draft >= self.gamma:
+            return 1.0
+        rows = max(1, int(n_draft)) / self.gamma
+        return DRAFT_FIXED_SHARE + (1.0 - DRAFT_FIXED_SHARE) * rows
+
+    def observe_draft(self, n_requests: int, ms: float, n_draft: Optional[int] = None) -> None:
+        """A draft pass over ``n_requests`` blocks (of ``n_draft`` drafts; None: full) took ``ms``:
+        the scheduler's estimate follows the proposer actually in use (a batched pass is not R
+        single passes; an oracle costs ~0).  Kept as the full block's equivalent."""
         if not self.learn_costs or n_requests <= 0 or not np.isfinite(ms) or ms < 0:
             return
+        ms = ms / self.block_factor(n_draft)
         self._draft_passes += 1
         if self._draft_passes == 1 and self._restored_draft:
             # the first pass of a process is cold (graph allocation, weights paged in): with a
@@ -103,15 +120,49 @@ class VerifyPolicy:
         self._draft_ms[n_requests] = ms if old is None else old + 0.2 * (ms - old)
         self._version += 1
 
-    def draft_estimate(self, n_requests: int) -> Optional[float]:
-        """Measured draft pass ms for R blocks (scaled from the nearest measured R), or None (the
-        profile's figure is used)."""
+    def draft_estimate(self, n_requests: int, n_draft: Optional[int] = None) -> Optional[float]:
+        """Measured draft pass ms for R blocks (scaled from the nearest measured R) of ``n_draft``
+        drafts (None: the full block), or None (the profile's figure is used)."""
         if not self._draft_ms:
             return None
         if n_requests in self._draft_ms:
-            return self._draft_ms[n_requests]
-        near = min(self._draft_ms, key=lambda r: abs(r - n_requests))
-        return self._draft_ms[near] * n_requests / near
+            full = self._draft_ms[n_requests]
+        else:
+            near = min(self._draft_ms, key=lambda r: abs(r - n_requests))
+            full = self._draft_ms[near] * n_requests / near
+        return full * self.block_factor(n_draft)
+
+    def _plan(self, n_requests: int, n_max: int):
+        """(block, throughput): the draft block n <= n_max whose expected schedule (running
+        acceptance, the cost curve, the pass of an n-draft block) gives the most tokens per second,
+        and that throughput; block 0 when plain decoding wins.  Past statistics only."""
+        r, n_max = max(1, n_requests), max(1, min(int(n_max), self.gamma))
+        hit = self._plans.get((r, n_max))
+        if hit is not None and hit[0] == self._version:
+            return hit[1]
+        c = self.cost
+        best = (0, r / ((c.t_verify(r) + c.overhead_ms) / 1e3))
+        surv = survival(self._acc[:n_max])
+        full = self.draft_estimate(r)
+        full = c.t_draft(r) if full is None else full
+        for n in range(1, n_max + 1):
+            th = schedule([surv[:n]] * r, c, drafted=True, draft_ms=full * self.block_factor(n)).throughput
+            # drafting must beat plain decoding; among blocks, near-ties (0.5%) go to the longer one
+            if (th > best[1]) if best[0] == 0 else (th >= best[1] * 0.995):
+                best = (n, max(th, best[1]) if best[0] else th)
+        self._plans[(r, n_max)] = (self._version, best)
+        return best
+
+    def draft_length(self, n_requests: int, n_max: int) -> int:
+        """How many drafts to ask the drafter for this step: the cost-driven modes ask for the
+        planned block (a shorter block is a cheaper pass), one more when confidences may let the
+        verification go past it, the full ``n_max`` on a probe; the others always ``n_max``."""
+        if not self.uses_cost or self._probing or n_max <= 1:
+            return n_max
+        n = self._plan(n_requests, n_max)[0]
+        if n == 0:
+            return n_max   # a pass forced to learn the draft's cost: the full block
+        return min(n_max, n + 1 if self._conf_seen else n)
 
     # ---- before drafting ----------------------------------------------------------------------
     def want_draft(self, n_requests: int) -> bool:
@@ -156,7 +207,7 @@ class VerifyPolicy:
         hit = self._pays.get(n_requests)
         if hit is not None and hit[0] == self._version:
             return hit[1]
-        pays = should_draft([survival(self._acc)] * n_requests, self.cost, self.draft_estimate(n_requests))
+        pays = self._plan(n_requests, self.gamma)[0] > 0
         self._pays[n_requests] = (self._version, pays)
         return pays
 
@@ -190,6 +241,7 @@ class VerifyPolicy:
                 acc = np.concatenate([self._acc, np.full(max(0, n - self.gamma), self._acc[-1])])[:n]
                 surv.append(survival(acc))
                 continue
+            self._conf_seen = True
             surv.append(survival(self.corrected(self.calibrated(c[:n]))))
         n_blocks = sum(1 for n in n_drafted if n > 0)
         out = schedule(surv, self.cost, drafted=True, draft_ms=self.draft_estimate(n_blocks)).lengths
