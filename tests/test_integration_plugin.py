@@ -150,8 +150,10 @@ class _Recording(DraftModelProposer):
 
 
 def _engine_trace(target_path, draft_path, prompt_tokens, n_batch, n_tokens, skip=0):
+    # the fixed block: every chunk's rows injected as the prefill decodes them, as the plug-in does
+    # (a cost-driven schedule defers the prompt's rows and injects them in one batch at the first block)
     with Speculator(target_path, draft_path, n_ctx=4096, n_batch=n_batch, n_ubatch=n_batch, flash_attn="on",
-                    n_threads=THREADS, n_max=7) as sp:
+                    n_threads=THREADS, n_max=7, schedule="off") as sp:
         rec = _Recording(sp.draft, skip)
         sp.decoder.proposer = rec
         done = sp.generate(list(prompt_tokens), n_tokens)

@@ -201,7 +201,10 @@ def test_policy_learns_draft_cost_and_acceptance_and_backs_off_probes():
 
     linear = CostModel([10.0 * b for b in range(1, 33)], draft_ms=[50.0])
     pol = VerifyPolicy(mode="profiled", cost=linear, probe_every=4, probe_budget=1.0)
-    # no measured draft pass for R = 2 yet: one pass is made to learn its cost
+    # no measured draft pass for R = 2 yet: two passes are made to learn its cost (a process's
+    # first pass is cold: a placeholder the second replaces)
+    assert pol.want_draft(2)
+    pol.observe_draft(2, 30.0)
     assert pol.want_draft(2)
     pol.observe_draft(2, 3.0)
     assert pol.draft_estimate(2) == pytest.approx(3.0) and pol.draft_estimate(4) == pytest.approx(6.0)

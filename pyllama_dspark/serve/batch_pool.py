@@ -89,7 +89,7 @@ class BatchedPool(JobQueue):
             self._cancel_queued()   # whatever the worker did not take
             from pyllama_dspark.spec import policy_memory
 
-            policy_memory.save(self._bd.policy)   # what auto learned, for the next process
+            policy_memory.save(getattr(self._bd, "policy", None))   # what auto learned, for the next process
             self.sp.close()
         finally:
             self._closed_now()
