@@ -53,7 +53,6 @@ variance, so no two tokens share an output row).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Tuple
 
@@ -62,7 +61,7 @@ import numpy as np
 from pyllama_dspark.gguf.target_archs import ARCH_SPECS, TARGET_ARCHS
 from pyllama_dspark.gguf.target_sizes import RandomPool, SizeSpec, get_size, is_full_layer, uniform_chunks
 from pyllama_dspark.gguf.target_tokenizer import MIN_N_VOCAB, tokenizer_meta
-from pyllama_dspark.gguf.write import TENSOR_ENCODINGS, encode, gauss
+from pyllama_dspark.gguf.write import TENSOR_ENCODINGS, atomic_output, encode, gauss
 
 __all__ = ["make_test_target", "plan_test_target", "count_params", "WEIGHT_TYPES"]
 
@@ -110,13 +109,9 @@ def _stream_write(out_path, arch: str, meta, plan: List[TensorPlan]) -> str:
     import gguf
 
     out_path = os.fspath(out_path)
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".target-", suffix=".gguf.tmp", dir=out_dir)
-    os.close(fd)
     raw = {"f32": (np.float32, None), "f16": (np.float16, None),
            "bf16": (np.float32, gguf.GGMLQuantizationType.BF16), "q8_0": (np.float32, gguf.GGMLQuantizationType.Q8_0)}
-    try:
+    with atomic_output(out_path, ".target-") as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         for key, (value, vtype, sub) in meta.items():
             writer.add_key_value(key, value, vtype, sub_type=sub)
@@ -140,14 +135,6 @@ def _stream_write(out_path, arch: str, meta, plan: List[TensorPlan]) -> str:
                 raise AssertionError(f"{t.name}: wrote {done} bytes, planned {nbytes}")
             writer.write_padding(fout, nbytes)
         writer.close()
-        os.chmod(tmp, 0o644)   # mkstemp makes 0600; a model is an ordinary data file
-        os.replace(tmp, out_path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     return out_path
 
 

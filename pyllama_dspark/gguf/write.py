@@ -12,6 +12,7 @@ in the destination directory and renames it, so a reader never sees a half-writt
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any, Mapping, Sequence, Tuple
@@ -121,21 +122,36 @@ def same_kind_type(value: Any, vtype, sub) -> bool:
     return False
 
 
-def write_gguf(out_path, arch: str, meta: Mapping[str, Tuple[Any, Any, Any]],
-               tensors: Mapping[str, Tuple[Any, Any]], *, tmp_prefix: str = ".gguf-") -> str:
-    """Write ``meta`` and ``tensors`` as a GGUF of ``arch`` to ``out_path`` atomically.
-
-    The file is written to a temporary name in the same directory (mode 0644) and renamed over
-    ``out_path``; on any error the temporary file is removed.  Returns ``out_path`` as a str.
-    """
-    import gguf
-
+@contextlib.contextmanager
+def atomic_output(out_path, tmp_prefix: str = ".gguf-"):
+    """Yield a temporary path in ``out_path``'s directory (created if missing); on success the file
+    becomes mode 0644 (mkstemp makes 0600; a model is an ordinary data file) and is renamed over
+    ``out_path``; on any error it is removed."""
     out_path = os.fspath(out_path)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=tmp_prefix, suffix=".gguf.tmp", dir=out_dir)
     os.close(fd)
     try:
+        yield tmp
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out_path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_gguf(out_path, arch: str, meta: Mapping[str, Tuple[Any, Any, Any]],
+               tensors: Mapping[str, Tuple[Any, Any]], *, tmp_prefix: str = ".gguf-") -> str:
+    """Write ``meta`` and ``tensors`` as a GGUF of ``arch`` to ``out_path`` atomically
+    (:func:`atomic_output`).  Returns ``out_path`` as a str."""
+    import gguf
+
+    out_path = os.fspath(out_path)
+    with atomic_output(out_path, tmp_prefix) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         for key, (value, vtype, sub) in meta.items():
             writer.add_key_value(key, value, vtype, sub_type=sub)
@@ -145,12 +161,4 @@ def write_gguf(out_path, arch: str, meta: Mapping[str, Tuple[Any, Any, Any]],
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.chmod(tmp, 0o644)   # mkstemp makes 0600; a model is an ordinary data file
-        os.replace(tmp, out_path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     return out_path
