@@ -1,7 +1,7 @@
 """``pyllama-dspark run`` as users run it: one process per prompt, the default against ``--no-draft``.
 
     python bench/cli_runs.py [--prompts 5] [--repeats 2] [-n 96] [--drafts shipped,random,oracle:0.9]
-                             [--temps 0,0.8] [--fresh-memory]
+                             [--temps 0,0.8] [--fresh-memory | --cold]
 
 Every (draft, temperature) cell runs each prompt as ``run`` (the default: auto schedule) and as
 ``run --no-draft``, each in its own process, back to back in an order rotated per prompt and repeat.
@@ -9,7 +9,8 @@ Reported per cell: the median over runs of the generation's tok/s (the ``--json`
 decode, what ``run`` prints) as a ratio to no draft, and the median wall time of the whole process
 (start-up and model loading included) as a ratio.  ``--fresh-memory`` deletes what auto learned
 (``learned-*.json`` in the cache) before each cell's first run, so the cell's first run starts cold
-(the oracle's first-run figure).  Run it on an idle machine: llama.cpp's threads spin-wait.
+(the oracle's first-run figure, one sample per cell); ``--cold`` deletes it before every default run,
+so every run is a first run from a cold memory and the first-run column is their median.  Run it on an idle machine: llama.cpp's threads spin-wait.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def run_cli(args):
     return json.loads(p.stdout), wall
 
 
+def forget():
+    for f in (cache_dir() / "profiles").glob("learned-*.json"):
+        f.unlink()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=5)
@@ -43,6 +49,7 @@ def main():
     ap.add_argument("--drafts", default="shipped,random")
     ap.add_argument("--temps", default="0,0.8")
     ap.add_argument("--fresh-memory", action="store_true")
+    ap.add_argument("--cold", action="store_true", help="forget what auto learned before every default run")
     a = ap.parse_args()
     items = load_prompts((), limit_per_file=a.prompts)[:a.prompts]
     texts = [it.turns[0] for it in items]
@@ -55,8 +62,7 @@ def main():
             if draft.startswith("oracle") and temp > 0:
                 continue
             if a.fresh_memory:
-                for f in (cache_dir() / "profiles").glob("learned-*.json"):
-                    f.unlink()
+                forget()
             res = {"default": [], "no-draft": []}
             first = None
             k = 0
@@ -65,19 +71,21 @@ def main():
                     order = ["default", "no-draft"] if k % 2 == 0 else ["no-draft", "default"]
                     k += 1
                     for name in order:
+                        if a.cold and name == "default":
+                            forget()
                         args = ["-p", text, "-n", str(a.n), "--ignore-eos", "--temp", str(temp), "--seed", "1",
                                 "--json"] + (md if name == "default" else ["--no-draft"])
                         out, wall = run_cli(args)
                         res[name].append((out["stats"]["tokens_per_second"], wall))
-                        if name == "default" and first is None:
-                            first = out["stats"]["tokens_per_second"]
+                        if name == "default" and (first is None or a.cold):
+                            first = (first or []) + [out["stats"]["tokens_per_second"]]
             base_tps = statistics.median(x[0] for x in res["no-draft"])
             base_wall = statistics.median(x[1] for x in res["no-draft"])
             row = dict(draft=draft, temp=temp, runs=len(res["default"]),
                        no_draft_tps=round(base_tps, 1),
                        tps_ratio=round(statistics.median(x[0] for x in res["default"]) / base_tps, 3),
                        wall_ratio=round(base_wall / statistics.median(x[1] for x in res["default"]), 3),
-                       first_run_ratio=round(first / base_tps, 3))
+                       first_run_ratio=round(statistics.median(first) / base_tps, 3))
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| draft | T | runs | no draft tok/s | default / no draft (tok/s) | (wall, per process) | first run |")

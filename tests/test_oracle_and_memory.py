@@ -86,26 +86,46 @@ def test_oracle_draft_pass_is_real_and_reports_no_confidence(target_path, llama_
 
 
 def test_planted_error_law():
-    """A block of n drafts is right with probability P; otherwise one draft, uniform over 0..n-1, is wrong."""
+    """The drafter's full block of B = 7 is right with probability P, else one draft, uniform over
+    0..B-1, is wrong; a request for n < B drafts is the block's prefix, right with probability
+    P + (1 - P)(B - n)/B, its wrong draft uniform over 0..n-1 (the law, not the code, gives the
+    expected counts)."""
     from pyllama_dspark.spec.oracle import OracleProposer
 
     ref = list(range(100, 140))
-    n_blocks, n = 4000, 5
+    n_blocks, B = 4000, 7
     for P in (0.3, 0.8):
-        o = OracleProposer(ref, 1000, block_size=7, p_error=1.0 - P, seed=11)
-        wrong_at = []
-        for _ in range(n_blocks):
-            toks = o.propose(ref[10], 10, n).tokens.tolist()
-            bad = [i for i, (a, b) in enumerate(zip(toks, ref[11:11 + n])) if a != b]
-            assert len(bad) <= 1
-            wrong_at.extend(bad)
-        right = n_blocks - len(wrong_at)
-        sd = np.sqrt(n_blocks * P * (1 - P))
-        assert abs(right - n_blocks * P) < 4.5 * sd, (P, right)
-        counts = np.bincount(wrong_at, minlength=n)
-        exp = len(wrong_at) / n
-        chi2 = float(((counts - exp) ** 2 / exp).sum())
-        assert chi2 < 20.0, (P, counts)   # 4 degrees of freedom: p < 0.001
+        for n in (B, 3):
+            o = OracleProposer(ref, 1000, block_size=B, p_error=1.0 - P, seed=11)
+            wrong_at = []
+            for _ in range(n_blocks):
+                toks = o.propose(ref[10], 10, n).tokens.tolist()
+                bad = [i for i, (a, b) in enumerate(zip(toks, ref[11:11 + n])) if a != b]
+                assert len(bad) <= 1
+                wrong_at.extend(bad)
+            right = n_blocks - len(wrong_at)
+            p_right = P + (1 - P) * (B - n) / B
+            sd = np.sqrt(n_blocks * p_right * (1 - p_right))
+            assert abs(right - n_blocks * p_right) < 4.5 * sd, (P, n, right)
+            counts = np.bincount(wrong_at, minlength=n)
+            exp = len(wrong_at) / n
+            chi2 = float(((counts - exp) ** 2 / exp).sum())
+            assert chi2 < 3 * (n - 1) + 12.0, (P, n, counts)   # p < 0.001 at n - 1 = 2 .. 6 dof
+
+
+def test_a_shorter_request_is_the_full_blocks_prefix():
+    """Same seed, same blocks: asking for n drafts gives the first n of what asking for all 7 gives
+    (a block drafter's first drafts do not depend on the verify length)."""
+    from pyllama_dspark.spec.oracle import OracleProposer
+
+    ref = list(range(100, 400))
+    full = OracleProposer(ref, 1000, block_size=7, p_error=0.6, seed=5)
+    blocks = [full.propose(ref[b], b, 7).tokens.tolist() for b in range(200)]
+    assert sum(blk != ref[b + 1:b + 8] for b, blk in enumerate(blocks)) > 80   # errors were planted
+    for n in (1, 2, 4):
+        short = OracleProposer(ref, 1000, block_size=7, p_error=0.6, seed=5)
+        for b in range(200):
+            assert short.propose(ref[b], b, n).tokens.tolist() == blocks[b][:n], (n, b)
 
 
 @pytest.mark.parametrize("args, msg", [(["-md", "oracle:1.5"], "in [0, 1]"), (["-md", "oracle:x"], "oracle:P"),

@@ -6,13 +6,17 @@ knows the reference sequence (prompt + the target's greedy continuation) and pro
 that each block gets, with probability ``p_error``, one wrong token at a random position (or at
 the positions ``error_at`` cycles through).  The engine must emit the reference either way.
 
-**The planted error** (:class:`OracleProposer`, the one definition every front end uses): a block
-of ``n`` drafts (``n`` = the drafts asked for, at most the block size) is entirely right with
-probability ``P = 1 - p_error``; otherwise exactly one draft, at a position drawn uniformly from
-``0 .. n-1``, is replaced by another token (the drafts before it are right, the ones after it are
-never reached).  So the expected number of accepted drafts per full block of 7 is
-``7 P + 3 (1 - P)``, and the conditional acceptance at position ``k`` (0-based) is
-``1 - (1 - P) / (n - k)``.
+**The planted error** (:class:`OracleProposer`, the one definition every front end uses): the
+drafter's full block of ``B`` drafts (``block_size``) is entirely right with probability
+``P = 1 - p_error``; otherwise exactly one draft, at a position drawn uniformly from ``0 .. B-1``,
+is replaced by another token (the drafts before it are right, the ones after it are never
+reached).  A request for ``n < B`` drafts gets the first ``n`` drafts of that block, as from a
+block drafter, whose first ``n`` drafts do not depend on how many are asked for: it holds the
+error only when the error's position is below ``n``.  So ``P`` is a property of the drafter, not
+of the verify length: the conditional acceptance at position ``k`` (0-based) is
+``1 - (1 - P) / (B - k)`` whatever ``n``, a block of ``n`` is right with probability
+``P + (1 - P) (B - n) / B``, and the expected number of accepted drafts of a full block of 7 is
+``7 P + 3 (1 - P)``.
 
 :class:`OracleDraft` is the user-facing form (``-md oracle:P`` on ``run``, ``bench`` and
 ``bench-schedule``): it answers "what would a drafter right with probability P give me here?"
@@ -53,12 +57,16 @@ class OracleProposer(Proposer):
         self.n_blocks = 0
         self.planted = []  # (pos0, index) of every planted error
 
-    def _error_index(self, n: int) -> Optional[int]:
+    def _error_index(self, n: int) -> Optional[Tuple[int, int]]:
         if self.error_at is not None:
             e = self.error_at[self.n_blocks % len(self.error_at)]
-            return e if e is not None and e < n else None
+            return (e, 1 + int(self.rng.integers(0, self.n_vocab - 1))) if e is not None and e < n else None
         if self.rng.random() < self.p_error:
-            return int(self.rng.integers(0, n))
+            # over the full block (its replacement drawn too, so that a shorter request leaves the
+            # random stream as a full one would): n drafts are the block's first n
+            e = int(self.rng.integers(0, self.block_size))
+            bump = 1 + int(self.rng.integers(0, self.n_vocab - 1))
+            return (e, bump) if e < n else None
         return None
 
     def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
@@ -70,9 +78,11 @@ class OracleProposer(Proposer):
         toks[: len(avail)] = avail
         # beyond the known reference: any tokens (they will be rejected or never reached)
         toks[len(avail):] = (np.arange(n - len(avail)) * 7919 + 13) % self.n_vocab
-        e = self._error_index(n)
-        if e is not None:
-            toks[e] = (toks[e] + 1 + int(self.rng.integers(0, self.n_vocab - 1))) % self.n_vocab
+        err = self._error_index(n)
+        e = None
+        if err is not None:
+            e, bump = err
+            toks[e] = (toks[e] + bump) % self.n_vocab
             self.planted.append((pos0, e))
         self.n_blocks += 1
         # an oracle "knows" its survival: report 1 up to the planted error, 0 from there
