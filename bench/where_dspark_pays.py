@@ -5,8 +5,8 @@
         [--json out.json] [--png out.png]
 
 For every target: the proposer is ``-md oracle:P`` (:class:`~pyllama_dspark.spec.oracle.OracleDraft`:
-the target's greedy continuation, a block of n drafts entirely right with probability P, else one
-wrong draft at a uniform position; a real pass of a draft of the target's shape paid every time,
+the target's greedy continuation, the full block of 7 drafts entirely right with probability P, else
+one wrong draft at a uniform position, a block of n its first n drafts; a real pass of a draft of the target's shape paid every time,
 its tokens discarded; no confidences).  Configurations: no draft, fixed blocks n (``--schedule off
 --n-max n``; n = 3 is llama.cpp's default ``--spec-draft-n-max``, n = 7 the full block) and auto
 (the default schedule, one policy per (P, R) kept across the prompts as a server or the memory
@@ -14,7 +14,8 @@ keeps it).  R = 1 (one sequence) and R = 4 (four sequences decoded together), T 
 prompt runs every configuration back to back in an order rotated per prompt; the table gives
 median tok/s over the prompts and its ratio to no draft.  Also printed: the target's cost curve
 t(k)/t(1), the draft pass time, and for each (target, R, P) auto against the best of (no draft,
-every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft + t(l + 1)).
+every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft(l) + t(l + 1)), t_draft(l) the
+measured pass of a block of l drafts.
 
 Run it on an idle machine: llama.cpp's threads spin-wait.
 """
@@ -189,7 +190,8 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log):
                 best_fixed = max(row[f"fixed {k}"] for k in fixed)
                 row["best"] = max(1.0, best_fixed)
                 row["auto/best"] = row["auto"] / row["best"]
-                lim = [(expected_tau(P, ell) * curve[(R - 1)] / ((tdraft if ell else 0.0)
+                # the pass of a block of l drafts as measured (by_n), verifying all l of them
+                lim = [(expected_tau(P, ell) * curve[(R - 1)] / ((by_n[ell - 1] if ell else 0.0)
                         + curve[min(len(curve), R * (ell + 1)) - 1]), ell) for ell in range(0, 8)]
                 row["limit"], row["limit_l"] = max(lim)
                 out["cells"].append(row)

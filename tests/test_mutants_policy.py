@@ -371,7 +371,7 @@ def test_draft_length_is_the_block_that_pays_most(acc0, draft_full):
     t = lambda b: 10.0 + (b - 1)   # noqa: E731
     cost = CostModel([t(b) for b in range(1, 33)], [draft_full])
     p = VerifyPolicy(mode="auto", cost=cost, gamma=7, learn_costs=False)
-    p._acc = np.full(7, acc0)
+    p._acc, p._n = np.full(7, acc0), np.full(7, 1e12)   # known acceptance: no optimism margin
     thetas = [1 / (t(1) / 1e3)] + [_theta_by_hand(p._acc, n, t, draft_full) for n in range(1, 8)]
     best = int(np.argmax(thetas))
     # near-ties (0.5%) go to the longer block
@@ -395,3 +395,52 @@ def test_block_factor_and_short_pass_estimates():
     f3 = 0.05 + 0.95 * 3 / 7
     p.observe_draft(1, 10.0 * f3, 3)             # a 3-draft pass: 10 ms for the full block
     assert p.draft_estimate(1) == pytest.approx(10.0) and p.draft_estimate(1, 3) == pytest.approx(10.0 * f3)
+
+
+def test_the_plan_is_optimistic_about_what_it_saw_rarely():
+    """The plan reads a + 0.5 sqrt(max(a(1-a), 0.05) / (n+1)) per position (the law written out),
+    and the verify schedule the running estimate alone."""
+    p = VerifyPolicy(mode="auto", cost=FLAT, gamma=3)
+    p._acc, p._n = np.array([0.6, 0.99, 0.0]), np.array([3.0, 0.0, 1e12])
+    want = [0.6 + 0.5 * np.sqrt(0.24 / 4), 1.0, 0.0 + 0.5 * np.sqrt(0.05 / (1e12 + 1))]
+    assert p.hopeful().tolist() == pytest.approx(want, rel=1e-12)
+
+
+def test_one_early_rejection_does_not_switch_drafting_off():
+    """One draft per block pays when its acceptance a gives (1 + a) / 17 ms > 1 / 10 ms, i.e. a > 0.7
+    (plain step 10 ms; two rows 15.7 ms plus a one-draft pass of 1.3 ms; three rows never pay).  A
+    drafter right 90% of the time, seen once right then once wrong (running estimate 0.633, plan
+    0.633 + 0.139), must keep drafting; one never right stops within five verified cycles."""
+    cost = CostModel([10.0, 15.7] + [1000.0] * 30, [1.3 / (0.05 + 0.95 / 7)])
+    good = VerifyPolicy(mode="auto", cost=cost, gamma=7, learn_costs=False)
+    good.update(1, 1)
+    good.update(1, 0)
+    assert good._acc[0] == pytest.approx(0.63333, abs=1e-4)
+    assert good.want_draft(1) and good._plan(1, 7)[0] >= 1
+    bad = VerifyPolicy(mode="auto", cost=cost, gamma=7, learn_costs=False)
+    stopped = None
+    for i in range(5):
+        if not bad.want_draft(1):
+            stopped = i
+            break
+        bad.update(1, 0)
+    assert stopped is not None and stopped <= 4, stopped
+
+
+def test_a_measured_block_size_is_its_own_estimate_and_is_remembered():
+    p = VerifyPolicy(mode="auto", cost=FLAT, gamma=7)
+    p.observe_draft(1, 99.0)                       # cold placeholder
+    p.observe_draft(1, 10.0)                       # full block: 10 ms
+    p.observe_draft(1, 6.0, 3)                     # a 3-draft pass measured at 6 ms (not 0.457 x 10)
+    assert p.draft_estimate(1, 3) == pytest.approx(6.0)
+    f5 = 0.05 + 0.95 * 5 / 7                        # unmeasured sizes: the full-block equivalent, scaled
+    full = 10.0 + 0.2 * (6.0 / (0.05 + 0.95 * 3 / 7) - 10.0)
+    assert p.draft_estimate(1, 5) == pytest.approx(full * f5)
+    assert p.draft_estimate(1) == pytest.approx(10.0)   # the measured full block
+    p.observe_draft(1, 8.0, 3)
+    assert p.draft_estimate(1, 3) == pytest.approx(6.0 + 0.2 * 2.0)
+    q = VerifyPolicy(mode="auto", cost=FLAT, gamma=7)
+    assert q.restore(p.learned()) and q.draft_estimate(1, 3) == pytest.approx(6.4)
+    for bad in ({"1:0": 1.0}, {"1:8": 1.0}, {"x": 1.0}, {"1:3": -1.0}):
+        r = VerifyPolicy(mode="auto", cost=FLAT, gamma=7)
+        assert not r.restore({**p.learned(), "draft_ms_n": bad})

