@@ -444,3 +444,45 @@ def test_a_measured_block_size_is_its_own_estimate_and_is_remembered():
     for bad in ({"1:0": 1.0}, {"1:8": 1.0}, {"x": 1.0}, {"1:3": -1.0}):
         r = VerifyPolicy(mode="auto", cost=FLAT, gamma=7)
         assert not r.restore({**p.learned(), "draft_ms_n": bad})
+
+
+def test_cycle_costs_over_the_curve_enter_the_plan_once_both_are_known():
+    """Per-cycle work the one-sequence curve does not see (accepting, injecting, rolling back R
+    sequences): learned apart for plain and drafting cycles, and used only when both are known.
+    t(B) = 10 + (B - 1) ms, a full pass of 8 ms, acceptance 0.8 (the law written out): with 3 ms
+    more per plain cycle, drafting pays at 20 ms more per drafting cycle (it would not, were the
+    plain cycle's 3 ms ignored) and not at 40 ms (it would, were the drafting cycle's ignored)."""
+    t = lambda b: 10.0 + (b - 1)   # noqa: E731
+    cost = CostModel([t(b) for b in range(1, 33)], [8.0])
+
+    def policy(e_draft):
+        p = VerifyPolicy(mode="auto", cost=cost, gamma=7)
+        p._acc, p._n = np.full(7, 0.8), np.full(7, 1e12)
+        p.observe_draft(1, 8.0)
+        p.observe_draft(1, 8.0)
+        p.observe_cycle(1, 1, t(1) + 3.0)
+        assert p.extra_estimate(1) == (0.0, 0.0) and p._plan(1, 7)[0] > 0   # drafting cycles not seen yet
+        p.observe_cycle(1, 8, t(8) + e_draft)
+        assert p.extra_estimate(1) == pytest.approx((3.0, e_draft))
+        return p
+
+    def best(e_draft, e_plain=3.0):
+        def theta(n):
+            if n == 0:
+                return 1 / ((t(1) + e_plain) / 1e3)
+            factor = 1.0 if n >= 7 else 0.05 + 0.95 * n / 7
+            return (1 + np.cumprod(np.full(n, 0.8)).sum()) / ((t(1 + n) + 8.0 * factor + e_draft) / 1e3)
+        return int(np.argmax([theta(n) for n in range(8)]))
+
+    assert best(20.0) > 0 and best(20.0, e_plain=0.0) == 0 and best(40.0) == 0 and best(0.0) > 0
+    p = policy(20.0)
+    assert p._plan(1, 7)[0] == best(20.0) and p._pays_now(1)
+    q = policy(40.0)
+    assert q._plan(1, 7)[0] == 0 and not q._pays_now(1)
+    # the plan follows a moving estimate in steps, not on every cycle
+    v = p._version
+    p.observe_cycle(1, 1, t(1) + 3.1)              # EMA 3.01: within 0.2 ms of what the plan read
+    assert p._version == v and p.extra_estimate(1)[0] == pytest.approx(3.0)
+    for _ in range(30):
+        p.observe_cycle(1, 1, t(1) + 6.0)
+    assert p._version > v and p.extra_estimate(1)[0] == pytest.approx(6.0, abs=0.3)

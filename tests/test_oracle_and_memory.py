@@ -82,7 +82,15 @@ def test_oracle_draft_pass_is_real_and_reports_no_confidence(target_path, llama_
     with Speculator(target_path, "oracle:0.5", n_ctx=512, n_threads=2) as sp:
         # auto works from the running acceptance (no confidences): a policy, and lossless output
         assert sp.policy is not None and sp.policy.mode == "auto"
-        assert sp.generate(prompt, 16).tokens == ref
+        seen = []
+        real_cycle = sp.policy.observe_cycle
+        sp.policy.observe_cycle = lambda R, rows, ms: (seen.append((R, rows, ms)), real_cycle(R, rows, ms))
+        done = sp.generate(prompt, 16)
+        assert done.tokens == ref
+        # every cycle reports its rows and time to the policy (the cycle costs over the curve)
+        assert len(seen) == done.stats.cycles
+        assert [rows for _, rows, _ in seen] == [1 + k for k in done.stats.verify_lengths]
+        assert all(R == 1 and ms > 0 for R, _, ms in seen)
 
 
 def test_planted_error_law():

@@ -388,6 +388,8 @@ class Decoder:
             s.anchor = emitted[-1]
             self._emit(s, emitted)
         t3 = clock()
+        if self._policy is not None and prop is not None:
+            self._policy.observe_cycle(R, n, (t3 - t1) * 1e3)
         inject_share = ((t3 - t2) * 1e3 - sum(ms_sample)) / R
         for r, s in enumerate(act):
             # the draft pass is shared by the requests that were in it

@@ -56,6 +56,8 @@ class VerifyPolicy:
     _skipped: int = 0
     _draft_ms: dict = field(default_factory=dict, repr=False)   # measured draft pass ms per R (EMA)
     _draft_ms_n: dict = field(default_factory=dict, repr=False)  # (R, n drafts) -> measured pass ms (EMA)
+    _extra_ms: dict = field(default_factory=dict, repr=False)   # (R, drafted?) -> cycle ms over the curve (EMA)
+    _extra_used: dict = field(default_factory=dict, repr=False)  # what the plan reads (moves in steps)
     _n: np.ndarray = field(default=None, repr=False)            # verified tries per position
     _hit_sum: np.ndarray = field(default=None, repr=False)      # decayed sums for the online
     _conf_sum: np.ndarray = field(default=None, repr=False)     # confidence correction
@@ -142,6 +144,31 @@ class VerifyPolicy:
         self._draft_ms_n[key] = raw if old_n is None else old_n + 0.2 * (raw - old_n)
         self._version += 1
 
+    def observe_cycle(self, n_requests: int, n_rows: int, ms: float) -> None:
+        """A cycle of ``n_requests`` sequences decoded ``n_rows`` rows and, with accepting, injecting
+        and rolling back, took ``ms`` (the draft pass not included): what it cost over the curve's
+        t(n_rows), kept apart for cycles with drafts and without (per-sequence work the curve,
+        measured on one sequence, does not see: it grows with the sequences and the accepted rows)."""
+        if not self.learn_costs or not self.uses_cost or n_requests <= 0 or not np.isfinite(ms):
+            return
+        key = (n_requests, n_rows > n_requests)
+        extra = ms - self.cost.t_verify(n_rows)
+        old = self._extra_ms.get(key)
+        new = self._extra_ms[key] = extra if old is None else old + 0.1 * (extra - old)
+        used = self._extra_used.get(key)
+        # the plan is recomputed only when its input moved (0.2 ms or 3%), not on every cycle
+        if used is None or abs(new - used) > max(0.2, 0.03 * abs(used)):
+            self._extra_used[key] = new
+            self._version += 1
+
+    def extra_estimate(self, n_requests: int) -> tuple:
+        """(plain, drafting) cycle ms over the curve for R sequences: both measured, else (0, 0)
+        (one without the other would tilt the comparison by the difference it cannot see)."""
+        plain, draft = self._extra_used.get((n_requests, False)), self._extra_used.get((n_requests, True))
+        if plain is None or draft is None:
+            return 0.0, 0.0
+        return plain, draft
+
     def draft_estimate(self, n_requests: int, n_draft: Optional[int] = None) -> Optional[float]:
         """Measured draft pass ms for R blocks (scaled from the nearest measured R) of ``n_draft``
         drafts (None: the full block), or None (the profile's figure is used)."""
@@ -166,11 +193,12 @@ class VerifyPolicy:
         if hit is not None and hit[0] == self._version:
             return hit[1]
         c = self.cost
-        best = (0, r / ((c.t_verify(r) + c.overhead_ms) / 1e3))
+        e_plain, e_draft = self.extra_estimate(r)
+        best = (0, r / ((c.t_verify(r) + c.overhead_ms + e_plain) / 1e3))
         surv = survival(self.hopeful()[:n_max])
         known = self.draft_estimate(r) is not None
         for n in range(1, n_max + 1):
-            dms = self.draft_estimate(r, n) if known else c.t_draft(r) * self.block_factor(n)
+            dms = (self.draft_estimate(r, n) if known else c.t_draft(r) * self.block_factor(n)) + e_draft
             th = schedule([surv[:n]] * r, c, drafted=True, draft_ms=dms).throughput
             # drafting must beat plain decoding; among blocks, near-ties (0.5%) go to the longer one
             if (th > best[1]) if best[0] == 0 else (th >= best[1] * 0.995):
