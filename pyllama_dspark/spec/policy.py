@@ -156,10 +156,12 @@ class VerifyPolicy:
         old = self._extra_ms.get(key)
         new = self._extra_ms[key] = extra if old is None else old + 0.1 * (extra - old)
         used = self._extra_used.get(key)
-        # the plan is recomputed only when its input moved (0.2 ms or 3%), not on every cycle
-        if used is None or abs(new - used) > max(0.2, 0.03 * abs(used)):
+        # the plan is recomputed only when its input moved (0.5 ms or 5%), not on every cycle, and
+        # only once both kinds of cycle are known (before that the plan does not read them)
+        if used is None or abs(new - used) > max(0.5, 0.05 * abs(used)):
             self._extra_used[key] = new
-            self._version += 1
+            if (n_requests, not key[1]) in self._extra_used:
+                self._version += 1
 
     def extra_estimate(self, n_requests: int) -> tuple:
         """(plain, drafting) cycle ms over the curve for R sequences: both measured, else (0, 0)
