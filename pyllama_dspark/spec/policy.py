@@ -111,12 +111,16 @@ class VerifyPolicy:
         return np.minimum(1.0, a + OPTIMISM * np.sqrt(np.maximum(a * (1.0 - a), ACC_VAR_FLOOR) / (self._n + 1.0)))
 
     # ---- draft cost ---------------------------------------------------------------------------
+    def _drafts(self, n_draft: Optional[int]) -> int:
+        """The drafts of a pass asked for ``n_draft`` (None: the full block), in 1..gamma."""
+        return self.gamma if n_draft is None else max(1, min(int(n_draft), self.gamma))
+
     def block_factor(self, n_draft: Optional[int]) -> float:
         """A pass drafting ``n_draft`` tokens over a full block's pass."""
-        if n_draft is None or n_draft >= self.gamma:
+        nd = self._drafts(n_draft)
+        if nd == self.gamma:
             return 1.0
-        rows = max(1, int(n_draft)) / self.gamma
-        return DRAFT_FIXED_SHARE + (1.0 - DRAFT_FIXED_SHARE) * rows
+        return DRAFT_FIXED_SHARE + (1.0 - DRAFT_FIXED_SHARE) * nd / self.gamma
 
     def observe_draft(self, n_requests: int, ms: float, n_draft: Optional[int] = None) -> None:
         """A draft pass over ``n_requests`` blocks (of ``n_draft`` drafts; None: full) took ``ms``:
@@ -124,7 +128,7 @@ class VerifyPolicy:
         single passes; an oracle costs ~0).  Kept as the full block's equivalent."""
         if not self.learn_costs or n_requests <= 0 or not np.isfinite(ms) or ms < 0:
             return
-        nd = self.gamma if n_draft is None else max(1, min(int(n_draft), self.gamma))
+        nd = self._drafts(n_draft)
         raw = ms
         ms = ms / self.block_factor(n_draft)
         self._draft_passes += 1
@@ -176,7 +180,7 @@ class VerifyPolicy:
         drafts (None: the full block), or None (the profile's figure is used)."""
         if not self._draft_ms:
             return None
-        nd = self.gamma if n_draft is None else max(1, min(int(n_draft), self.gamma))
+        nd = self._drafts(n_draft)
         if (n_requests, nd) in self._draft_ms_n:
             return self._draft_ms_n[(n_requests, nd)]
         if n_requests in self._draft_ms:
