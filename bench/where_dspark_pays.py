@@ -8,7 +8,8 @@ For every target: the proposer is ``-md oracle:P`` (:class:`~pyllama_dspark.spec
 the target's greedy continuation, the full block of 7 drafts entirely right with probability P, else
 one wrong draft at a uniform position, a block of n its first n drafts; a real pass of a draft of
 the target's shape paid every time, its tokens discarded; no confidences).  Configurations: no
-draft, fixed blocks n (``--schedule off --n-max n``; n = 3 is llama.cpp's default ``--spec-draft-n-max``, n = 7 the full block) and auto
+draft, fixed blocks n (``--schedule off --n-max n``; n = 3 is llama.cpp's default
+``--spec-draft-n-max``, n = 7 the full block) and auto
 (the default schedule, one policy per (P, R) kept across the prompts as a server or the memory
 keeps it).  R = 1 (one sequence) and R = 4 (four sequences decoded together), T = 0.  Every
 prompt runs every configuration back to back in an order rotated per prompt; the table gives
