@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from pyllama_dspark.errors import DSparkError
+from pyllama_dspark.gguf import info_store
 
 #: The trained DSpark drafter for SmolLM2-135M-Instruct shipped inside the package
 #: (``pyllama-dspark train``; see README "Default models").
@@ -26,6 +27,10 @@ def cache_dir() -> Path:
     d = Path(os.environ.get("PYLLAMA_DSPARK_CACHE", Path.home() / ".cache" / "pyllama-dspark"))
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+# what a model file's metadata says is parsed once per file version and kept here (gguf/info_store.py)
+info_store.use_folder(cache_dir)
 
 
 def default_target() -> str:

@@ -492,3 +492,43 @@ def test_cycle_costs_over_the_curve_enter_the_plan_once_both_are_known():
     for _ in range(30):
         p.observe_cycle(1, 1, t(1) + 6.0)
     assert p._version > v and p.extra_estimate(1)[0] == pytest.approx(6.0, abs=0.65)
+
+
+def test_a_cycle_of_r_sequences_costs_what_its_rows_cost_when_run():
+    """The one-sequence curve says R = 4 blocks of 7 (32 rows) cost t(32) = 25.5 ms
+    (t(b) = 10 + (b - 1) / 2); measured, such a cycle costs 60 ms (per-sequence work) while 4 blocks
+    of 2 (12 rows) cost t(12) + 1.  The plan reads the measured rows and, for rows not run, the
+    curve plus what drafting cycles cost over it (EMA 1 + 0.1 (34.5 - 1) = 4.35).  The law by hand,
+    acceptance 0.8, every draft verified, a full pass 8 ms (a block of n: 8 (0.05 + 0.95 n / 7)):
+    4 (1 + sum 0.8^j) / (c(4 (n + 1)) + pass(n)) is best at n = 2 (0.51 tokens/ms against 0.44 at
+    n = 7); reading the curve plus a constant 4.35 instead, n = 4 would win."""
+    t = lambda b: 10.0 + (b - 1) / 2   # noqa: E731
+    cost = CostModel([t(b) for b in range(1, 33)], [8.0])
+    p = VerifyPolicy(mode="auto", cost=cost, gamma=7)
+    p._acc, p._n = np.full(7, 0.8), np.full(7, 1e12)
+    p.observe_draft(4, 8.0)
+    p.observe_draft(4, 8.0)
+    p.observe_cycle(4, 4, t(4) + 1.0)
+    assert p.cost_for(4) is cost                     # drafting cycles not seen yet: the profile's curve
+    p.observe_cycle(4, 12, t(12) + 1.0)
+    p.observe_cycle(4, 32, 60.0)
+    c4 = p.cost_for(4)
+    assert c4.t_verify(4) == pytest.approx(t(4) + 1) and c4.t_verify(12) == pytest.approx(t(12) + 1)
+    assert c4.t_verify(32) == pytest.approx(60.0)
+    assert c4.t_verify(20) == pytest.approx(t(20) + 4.35) and c4.t_verify(2) == pytest.approx(t(2) + 1)
+    assert p.cost_for(1) is cost                     # R = 1 has measured nothing
+
+    def best(c):
+        def theta(n):
+            if n == 0:
+                return 4 / (c(4) / 1e3)
+            factor = 1.0 if n >= 7 else 0.05 + 0.95 * n / 7
+            return 4 * (1 + np.cumprod(np.full(n, 0.8)).sum()) / ((c(4 * (n + 1)) + 8.0 * factor) / 1e3)
+        return int(np.argmax([theta(n) for n in range(8)]))
+
+    measured = {4: t(4) + 1, 12: t(12) + 1, 32: 60.0}
+    assert best(lambda k: measured.get(k, t(k) + 4.35)) == 2 and best(lambda k: t(k) + 4.35) == 4
+    assert p._plan(4, 7)[0] == 2 and p.draft_length(4, 7) == 2
+    # a stall is not what the rows cost: one sample counts at most 3x the estimate
+    p.observe_cycle(4, 12, 1000.0)
+    assert p._cycle_ms[(4, 12)][0] == pytest.approx(16.5 + 0.5 * (3 * 16.5 - 16.5))

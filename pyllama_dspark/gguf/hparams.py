@@ -15,12 +15,14 @@ refusing, checked from a parsed GGUF before llama.cpp loads it (found by GGUF fu
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from pyllama_dspark.errors import ModelFileError
-from pyllama_dspark.gguf.reader import field_value
+from pyllama_dspark.gguf.reader import cached_info, field_value, read_gguf
 
-__all__ = ["check_hparams", "check_loadable", "check_tensor_types", "LLAMA_MAX_LAYERS"]
+__all__ = ["check_hparams", "check_loadable", "check_loadable_file", "check_tensor_types", "LLAMA_MAX_LAYERS"]
 
 LLAMA_MAX_LAYERS = 512
 LLAMA_MAX_EXPERTS = 1024
@@ -81,6 +83,25 @@ def check_loadable(r, name: str) -> None:
     if isinstance(arch, str) and arch:
         check_hparams(r, arch, name)
     check_tensor_types(r, name, int_ok=("d2t",))
+
+
+@dataclass(frozen=True)
+class LoadableFile:
+    """The record that a file version passed :func:`check_loadable` (kept across processes)."""
+    path: str
+
+
+def check_loadable_file(path: str) -> None:
+    """:func:`check_loadable` on the file ``path`` (structure checked first by
+    :func:`~.reader.read_gguf`), once per file version: a version that passed is remembered, in this
+    process and on disk (:mod:`.info_store`), so later loads skip parsing its metadata again."""
+    name = os.path.basename(path)
+
+    def build() -> LoadableFile:
+        check_loadable(read_gguf(path), name)
+        return LoadableFile(path)
+
+    cached_info("loadable", path, True, build, LoadableFile)
 
 
 def check_tensor_types(r, name: str, int_ok: Sequence[str] = ()) -> None:

@@ -172,7 +172,7 @@ def read_draft_info(path, *, use_cache: bool = True) -> DraftInfo:
     (hazard 9) is recorded in :attr:`DraftInfo.problems` and rejected by :func:`validate_pair`.
     """
     path = check_path(path)
-    return cached_info("draft", path, use_cache, lambda: _parse_draft_info(path, use_cache))
+    return cached_info("draft", path, use_cache, lambda: _parse_draft_info(path, use_cache), DraftInfo)
 
 
 def _parse_draft_info(path: str, use_cache: bool) -> DraftInfo:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Tuple
 import numpy as np
 
 from pyllama_dspark.errors import DSparkError, ModelFileError
+from pyllama_dspark.gguf import info_store
 from pyllama_dspark.gguf.structure import check_structure
 
 __all__ = ["read_gguf", "field_value", "scalar_field", "tokenizer_fingerprint", "n_tokens", "tensor_map",
@@ -25,6 +26,7 @@ _CACHE_LOCK = threading.Lock()
 _READER_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
 _INFO_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
 _CACHE_SIZE = 6
+_INFO_CACHE_SIZE = 64   # small records (infos, passed checks), several per model file
 
 
 def _file_key(path: str) -> tuple:
@@ -44,18 +46,25 @@ def _cache_put(cache: OrderedDict, key: tuple, value) -> None:
     with _CACHE_LOCK:
         cache[key] = value
         cache.move_to_end(key)
-        while len(cache) > _CACHE_SIZE:
+        while len(cache) > (_INFO_CACHE_SIZE if cache is _INFO_CACHE else _CACHE_SIZE):
             cache.popitem(last=False)
 
 
-def cached_info(kind: str, path: str, use_cache: bool, build: Callable[[], Any]) -> Any:
+def cached_info(kind: str, path: str, use_cache: bool, build: Callable[[], Any], cls: Any = None) -> Any:
     """The info of ``kind`` (``"draft"`` / ``"target"``) parsed from the checked ``path``: cached per
-    (kind, real path, inode, size, mtime) unless ``use_cache`` is false; ``build()`` parses it."""
-    key = (kind,) + _file_key(path)
+    (kind, real path, inode, size, mtime) unless ``use_cache`` is false, in this process and, for a
+    record class ``cls``, on disk for later processes (:mod:`.info_store`); ``build()`` parses it."""
+    file_key = _file_key(path)
+    key = (kind,) + file_key
     if use_cache:
         cached = _cache_get(_INFO_CACHE, key)
         if cached is not None:
             return cached
+        if cls is not None:
+            stored = info_store.load(kind, file_key, cls, path)
+            if stored is not None:
+                _cache_put(_INFO_CACHE, key, stored)
+                return stored
     try:
         info = build()
     except DSparkError:
@@ -66,6 +75,8 @@ def cached_info(kind: str, path: str, use_cache: bool, build: Callable[[], Any])
                              f"({type(e).__name__}: {e})") from e
     if use_cache:
         _cache_put(_INFO_CACHE, key, info)
+        if cls is not None:
+            info_store.save(kind, file_key, info)
     return info
 
 

@@ -58,7 +58,7 @@ def read_target_info(path, *, require_layer_inputs: bool = True, use_cache: bool
     inputs raises :class:`UnsupportedArchError`; pass ``False`` to just inspect such a model.
     """
     path = check_path(path)
-    info = cached_info("target", path, use_cache, lambda: _parse_target_info(path, use_cache))
+    info = cached_info("target", path, use_cache, lambda: _parse_target_info(path, use_cache), TargetInfo)
     if require_layer_inputs and not info.supports_layer_inputs:
         raise UnsupportedArchError(unsupported_arch_message(info.arch, os.path.basename(info.path)))
     return info

@@ -37,8 +37,8 @@ def check_gguf_file(path: str) -> str:
         raise ModelFileError(f"model file not found: {p}")
     if os.path.isdir(p):
         raise ModelFileError(f"model path is a directory, not a GGUF file: {p}")
-    from pyllama_dspark.gguf.hparams import check_loadable
-    from pyllama_dspark.gguf.reader import read_gguf  # full structural check (magic, truncation)
+    from pyllama_dspark.gguf.hparams import check_loadable_file
 
-    check_loadable(read_gguf(p), os.path.basename(p))   # metadata / tensor types llama.cpp asserts on
+    # full structural check (magic, truncation), then the metadata / tensor types llama.cpp asserts on
+    check_loadable_file(p)
     return p

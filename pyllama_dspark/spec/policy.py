@@ -58,6 +58,9 @@ class VerifyPolicy:
     _draft_ms_n: dict = field(default_factory=dict, repr=False)  # (R, n drafts) -> measured pass ms (EMA)
     _extra_ms: dict = field(default_factory=dict, repr=False)   # (R, drafted?) -> cycle ms over the curve (EMA)
     _extra_used: dict = field(default_factory=dict, repr=False)  # what the plan reads (moves in steps)
+    _cycle_ms: dict = field(default_factory=dict, repr=False)   # (R, rows) -> (measured cycle ms, samples)
+    _cycle_used: dict = field(default_factory=dict, repr=False)  # what the plan reads (moves in steps)
+    _costs: dict = field(default_factory=dict, repr=False)      # R -> (version, CostModel of R sequences)
     _n: np.ndarray = field(default=None, repr=False)            # verified tries per position
     _hit_sum: np.ndarray = field(default=None, repr=False)      # decayed sums for the online
     _conf_sum: np.ndarray = field(default=None, repr=False)     # confidence correction
@@ -150,22 +153,41 @@ class VerifyPolicy:
 
     def observe_cycle(self, n_requests: int, n_rows: int, ms: float) -> None:
         """A cycle of ``n_requests`` sequences decoded ``n_rows`` rows and, with accepting, injecting
-        and rolling back, took ``ms`` (the draft pass not included): what it cost over the curve's
-        t(n_rows), kept apart for cycles with drafts and without (per-sequence work the curve,
-        measured on one sequence, does not see: it grows with the sequences and the accepted rows)."""
-        if not self.learn_costs or not self.uses_cost or n_requests <= 0 or not np.isfinite(ms):
+        and rolling back, took ``ms`` (the draft pass not included).  Kept per (R, rows) as measured:
+        the curve is measured on one sequence and without that work, which grows with the sequences
+        and the accepted rows (R = 4 sequences of 4 rows each do not cost t(16)); and, for the row
+        counts not run yet, what a cycle cost over the curve's t(n_rows), apart for cycles with
+        drafts and without."""
+        if not self.learn_costs or not self.uses_cost or n_requests <= 0 or n_rows < n_requests or \
+                not np.isfinite(ms) or ms < 0:
             return
+        moved = False
         key = (n_requests, n_rows > n_requests)
         extra = ms - self.cost.t_verify(n_rows)
         old = self._extra_ms.get(key)
         new = self._extra_ms[key] = extra if old is None else old + 0.1 * (extra - old)
-        used = self._extra_used.get(key)
-        # the plan is recomputed only when its input moved (0.5 ms or 5%), not on every cycle, and
-        # only once both kinds of cycle are known (before that the plan does not read them)
-        if used is None or abs(new - used) > max(0.5, 0.05 * abs(used)):
-            self._extra_used[key] = new
-            if (n_requests, not key[1]) in self._extra_used:
-                self._version += 1
+        moved |= self._step(self._extra_used, key, new)
+        cell = (n_requests, n_rows)
+        old, seen = self._cycle_ms.get(cell, (None, 0))
+        if old is not None:
+            ms = min(ms, 3.0 * old)   # one stall (a page fault, the OS) is not what the rows cost
+        new = ms if old is None else old + max(0.1, 1.0 / (seen + 1)) * (ms - old)
+        self._cycle_ms[cell] = (new, seen + 1)
+        moved |= self._step(self._cycle_used, cell, new)
+        # the plan reads them only once both kinds of cycle are known for R (before that, one
+        # without the other would tilt the comparison by the difference it cannot see)
+        if moved and self.extra_estimate(n_requests) != (0.0, 0.0):
+            self._version += 1
+
+    @staticmethod
+    def _step(used: dict, key, new: float) -> bool:
+        """What the plan reads follows a measured estimate in steps (0.5 ms or 5%), not on every
+        cycle: the plan is recomputed only when an input moved."""
+        cur = used.get(key)
+        if cur is None or abs(new - cur) > max(0.5, 0.05 * abs(cur)):
+            used[key] = new
+            return True
+        return False
 
     def extra_estimate(self, n_requests: int) -> tuple:
         """(plain, drafting) cycle ms over the curve for R sequences: both measured, else (0, 0)
@@ -174,6 +196,24 @@ class VerifyPolicy:
         if plain is None or draft is None:
             return 0.0, 0.0
         return plain, draft
+
+    def cost_for(self, n_requests: int) -> CostModel:
+        """The cost curve of a cycle of R sequences: t(rows) as measured in this run (verify, accept,
+        inject, roll back) where that many rows were run, else the profile's t(rows) plus what such
+        cycles cost over it; the profile's own curve until both kinds of cycle are known."""
+        r = max(1, n_requests)
+        plain, draft = self.extra_estimate(r)
+        if (plain, draft) == (0.0, 0.0):
+            return self.cost
+        hit = self._costs.get(r)
+        if hit is not None and hit[0] == self._version:
+            return hit[1]
+        c = self.cost
+        top = max(len(c.verify_ms), r * (self.gamma + 1))
+        v = [self._cycle_used.get((r, k), c.t_verify(k) + (draft if k > r else plain)) for k in range(1, top + 1)]
+        model = CostModel(np.maximum(v, 1e-3), c.draft_ms, c.overhead_ms)
+        self._costs[r] = (self._version, model)
+        return model
 
     def draft_estimate(self, n_requests: int, n_draft: Optional[int] = None) -> Optional[float]:
         """Measured draft pass ms for R blocks (scaled from the nearest measured R) of ``n_draft``
@@ -198,13 +238,12 @@ class VerifyPolicy:
         hit = self._plans.get((r, n_max))
         if hit is not None and hit[0] == self._version:
             return hit[1]
-        c = self.cost
-        e_plain, e_draft = self.extra_estimate(r)
-        best = (0, r / ((c.t_verify(r) + c.overhead_ms + e_plain) / 1e3))
+        c = self.cost_for(r)
+        best = (0, r / ((c.t_verify(r) + c.overhead_ms) / 1e3))
         surv = survival(self.hopeful()[:n_max])
         known = self.draft_estimate(r) is not None
         for n in range(1, n_max + 1):
-            dms = (self.draft_estimate(r, n) if known else c.t_draft(r) * self.block_factor(n)) + e_draft
+            dms = self.draft_estimate(r, n) if known else c.t_draft(r) * self.block_factor(n)
             th = schedule([surv[:n]] * r, c, drafted=True, draft_ms=dms).throughput
             # drafting must beat plain decoding; among blocks, near-ties (0.5%) go to the longer one
             if (th > best[1]) if best[0] == 0 else (th >= best[1] * 0.995):
@@ -253,7 +292,7 @@ class VerifyPolicy:
         hit = self._gaps.get(r)
         if hit is not None and hit[0] == self._version:
             return hit[1]
-        c = self.cost
+        c = self.cost_for(r)
         draft = self.draft_estimate(r)
         probe = (c.t_draft(r) if draft is None else draft) + c.t_verify(2 * r) - c.t_verify(r)
         gap = int(np.ceil(max(0.0, probe) / (max(self.probe_budget, 1e-6) * max(c.t_verify(r), 1e-6))))
@@ -303,7 +342,7 @@ class VerifyPolicy:
             self._conf_seen = True
             surv.append(survival(self.corrected(self.calibrated(c[:n]))))
         n_blocks = sum(1 for n in n_drafted if n > 0)
-        out = schedule(surv, self.cost, drafted=True, draft_ms=self.draft_estimate(n_blocks)).lengths
+        out = schedule(surv, self.cost_for(len(confs)), drafted=True, draft_ms=self.draft_estimate(n_blocks)).lengths
         if probing:   # a probe that verified nothing would learn nothing
             out = [max(1, ell) if n else 0 for ell, n in zip(out, n_drafted)]
         return list(out)

@@ -19,6 +19,7 @@ from typing import Optional, Union
 import numpy as np
 
 from pyllama_dspark import paths
+from pyllama_dspark.gguf.reader import read_gguf
 from pyllama_dspark.gguf.write import write_gguf
 
 DSPARK_TENSOR_PREFIXES = ("markov_", "conf_proj.")
@@ -57,9 +58,7 @@ def _cache_name(src: Path) -> str:
 
 def write_dflash_mode(src: Union[str, os.PathLike], dst: Union[str, os.PathLike]) -> str:
     """Write ``dst``: the draft ``src`` with its DSpark heads removed. Returns ``dst``."""
-    import gguf
-
-    reader = gguf.GGUFReader(os.fspath(src), "r")
+    reader = read_gguf(src)   # checked, cached, and the fast gguf-py reader
     arch_f = reader.fields.get("general.architecture")
     arch = bytes(arch_f.parts[arch_f.data[0]]).decode() if arch_f is not None else ""
     if arch != "dflash":
@@ -75,10 +74,8 @@ def dflash_mode_draft(src: Union[str, os.PathLike], cache_dir: Optional[Union[st
     """Path of the DFlash-mode copy of DSpark draft ``src`` (written once per source version).
 
     A draft that already has no Markov head is returned unchanged."""
-    import gguf
-
     src = Path(src)
-    reader = gguf.GGUFReader(os.fspath(src), "r")
+    reader = read_gguf(src)
     if not any(is_dspark_tensor(t.name) for t in reader.tensors):
         return os.fspath(src)
     del reader

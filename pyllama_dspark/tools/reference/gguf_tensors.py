@@ -14,7 +14,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-from pyllama_dspark.gguf.reader import field_value
+from pyllama_dspark.gguf.reader import field_value, read_gguf
 
 __all__ = ["Tensor", "GGUFFile", "open_target", "tensor_scalar"]
 
@@ -34,7 +34,7 @@ class GGUFFile:
 
     def __init__(self, path: str) -> None:
         self.path = str(path)
-        self.reader = gguf.GGUFReader(self.path)
+        self.reader = read_gguf(self.path)   # gguf-py's reader, checked and cached
         self._meta = {t.name: t for t in self.reader.tensors}
         self._cache: Dict[str, Tensor] = {}
 
