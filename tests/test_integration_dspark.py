@@ -174,7 +174,7 @@ class _Tap:
 
 def test_sampling_follows_the_target_law(ds, llama_refs):
     """create_completion at T > 0 draws the first two tokens as llama.cpp's sampler chain on the
-    target would (Llama's logits; the second one from a speculative cycle): 240 seeds, chi-square,
+    target would (Llama's logits; the second one from a speculative cycle): 160 seeds, chi-square,
     and a negative control (the same samples against another temperature's law are rejected).
     Checks that temperature / top_k / top_p / min_p / seed reach the loop as llama-cpp-python's
     arguments mean them."""
@@ -186,7 +186,7 @@ def test_sampling_follows_the_target_law(ds, llama_refs):
     tap = ds.decoder = _Tap(ds.decoder)
     try:
         samples, speculative = [], 0
-        for i in range(240):
+        for i in range(160):
             r = ds.create_completion(prompt, max_tokens=3, seed=2000 + i, **args)
             toks = tap.last.tokens
             samples.append(tuple(toks[:1]) if ds.target.is_eog(toks[0]) else tuple(toks[:2]))
