@@ -13,7 +13,7 @@ draft, fixed blocks n (``--schedule off --n-max n``; n = 3 is llama.cpp's defaul
 (the default schedule, one policy per (P, R) kept across the prompts as a server or the memory
 keeps it).  R = 1 (one sequence) and R = 4 (four sequences decoded together), T = 0.  Every
 prompt runs every configuration back to back in an order rotated per prompt; the table gives
-median tok/s over the prompts and its ratio to no draft.  Also printed: the target's cost curve
+the median over the prompts of each run's tok/s over the same prompt's no-draft run.  Also printed: the target's cost curve
 t(k)/t(1), the draft pass time, and for each (target, R, P) auto against the best of (no draft,
 every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft(l) + t(l + 1)),
 t_draft(l) the measured pass of a block of l drafts.
@@ -180,12 +180,15 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log):
             if diverged[0]:
                 log(f"R={R}: {diverged[0]} of {len(runs) * len(prompts) * R} sequences left the reference "
                     "(near-ties decoded with other batch shapes); the oracle is then wrong from there on")
-            base = statistics.median(x[0] for x in results[("none", None)])
+            nones = [x[0] for x in results[("none", None)]]
+            base = statistics.median(nones)
             for P in Ps:
                 row = {"R": R, "P": P, "none_tps": base}
                 for name, k in configs[1:]:
                     xs = results[(name, P)]
-                    row[name] = statistics.median(x[0] for x in xs) / base
+                    # paired: each prompt's run against the same prompt's no-draft run (the machine's
+                    # speed drifts by ~10% over minutes; one prompt's runs are seconds apart)
+                    row[name] = statistics.median(x[0] / b for x, b in zip(xs, nones))
                     row[name + " tau"] = statistics.median(x[1] for x in xs)
                     row[name + " verified"] = statistics.median(x[2] for x in xs)
                 best_fixed = max(row[f"fixed {k}"] for k in fixed)
