@@ -14,8 +14,8 @@ draft, fixed blocks n (``--schedule off --n-max n``; n = 3 is llama.cpp's defaul
 keeps it).  R = 1 (one sequence) and R = 4 (four sequences decoded together), T = 0.  Every
 prompt runs every configuration back to back in an order rotated per prompt; the table gives
 the median over the prompts of each run's tok/s over the same prompt's no-draft run.  Also
-printed: the target's cost curve t(k)/t(1), the draft pass time, and for each (target, R, P) auto against the best of (no draft,
-every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft(l) + t(l + 1)),
+printed: the target's cost curve t(k)/t(1), the draft pass time, and for each (target, R, P) auto
+against the best of (no draft, every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft(l) + t(l + 1)),
 t_draft(l) the measured pass of a block of l drafts.
 
 Run it on an idle machine: llama.cpp's threads spin-wait.
