@@ -4,18 +4,18 @@
         [--p 0.3,0.5,0.7,0.8,0.9,0.95] [--fixed 1,2,3,5,7] [--rs 1,4] [-n 32] [--prompts 3] \\
         [--json out.json] [--png out.png]
 
-For every target: the proposer is ``-md oracle:P`` (:class:`~pyllama_dspark.spec.oracle.OracleDraft`:
-the target's greedy continuation, the full block of 7 drafts entirely right with probability P, else
-one wrong draft at a uniform position, a block of n its first n drafts; a real pass of a draft of
-the target's shape paid every time, its tokens discarded; no confidences).  Configurations: no
-draft, fixed blocks n (``--schedule off --n-max n``; n = 3 is llama.cpp's default
-``--spec-draft-n-max``, n = 7 the full block) and auto
-(the default schedule, one policy per (P, R) kept across the prompts as a server or the memory
-keeps it).  R = 1 (one sequence) and R = 4 (four sequences decoded together), T = 0.  Every
-prompt runs every configuration back to back in an order rotated per prompt; the table gives
-the median over the prompts of each run's tok/s over the same prompt's no-draft run.  Also
-printed: the target's cost curve t(k)/t(1), the draft pass time, and for each (target, R, P) auto
-against the best of (no draft, every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft(l) + t(l + 1)),
+For every target: the proposer is ``-md oracle:P``
+(:class:`~pyllama_dspark.spec.oracle.OracleDraft`: the target's greedy continuation, the full block
+of 7 drafts entirely right with probability P, else one wrong draft at a uniform position, a block
+of n its first n drafts; a real pass of a draft of the target's shape paid every time, its tokens
+discarded; no confidences). Configurations: no draft, fixed blocks n (``--schedule off --n-max n``;
+n = 3 is llama.cpp's default ``--spec-draft-n-max``, n = 7 the full block) and auto (the default
+schedule, one policy per (P, R) kept across the prompts as a server or the memory keeps it). R = 1
+(one sequence) and R = 4 (four sequences decoded together), T = 0. Every prompt runs every
+configuration back to back in an order rotated per prompt; the table gives the median over the
+prompts of each run's tok/s over the same prompt's no-draft run. Also printed: the target's cost
+curve t(k)/t(1), the draft pass time, and for each (target, R, P) auto against the best of (no
+draft, every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft(l) + t(l + 1)),
 t_draft(l) the measured pass of a block of l drafts.
 
 Run it on an idle machine: llama.cpp's threads spin-wait.
