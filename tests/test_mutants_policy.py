@@ -498,10 +498,11 @@ def test_a_cycle_of_r_sequences_costs_what_its_rows_cost_when_run():
     """The one-sequence curve says R = 4 blocks of 7 (32 rows) cost t(32) = 25.5 ms
     (t(b) = 10 + (b - 1) / 2); measured, such a cycle costs 60 ms (per-sequence work) while 4 blocks
     of 2 (12 rows) cost t(12) + 1.  The plan reads the measured rows and, for rows not run, the
-    curve plus what drafting cycles cost over it (EMA 1 + 0.1 (34.5 - 1) = 4.35).  The law by hand,
-    acceptance 0.8, every draft verified, a full pass 8 ms (a block of n: 8 (0.05 + 0.95 n / 7)):
-    4 (1 + sum 0.8^j) / (c(4 (n + 1)) + pass(n)) is best at n = 2 (0.51 tokens/ms against 0.44 at
-    n = 7); reading the curve plus a constant 4.35 instead, n = 4 would win."""
+    curve plus what drafting cycles cost over it (their running mean, (1 + 34.5) / 2 = 17.75).  The
+    law by hand, acceptance 0.8, every draft verified, a full pass 8 ms (a block of n:
+    8 (0.05 + 0.95 n / 7)): 4 (1 + sum 0.8^j) / (c(4 (n + 1)) + pass(n)) is best at n = 2 (0.51
+    tokens/ms against 0.25 at n = 7); reading the curve plus 17.75 (1 for plain cycles) instead,
+    n = 6 would win (0.33)."""
     t = lambda b: 10.0 + (b - 1) / 2   # noqa: E731
     cost = CostModel([t(b) for b in range(1, 33)], [8.0])
     p = VerifyPolicy(mode="auto", cost=cost, gamma=7)
@@ -515,7 +516,7 @@ def test_a_cycle_of_r_sequences_costs_what_its_rows_cost_when_run():
     c4 = p.cost_for(4)
     assert c4.t_verify(4) == pytest.approx(t(4) + 1) and c4.t_verify(12) == pytest.approx(t(12) + 1)
     assert c4.t_verify(32) == pytest.approx(60.0)
-    assert c4.t_verify(20) == pytest.approx(t(20) + 4.35) and c4.t_verify(2) == pytest.approx(t(2) + 1)
+    assert c4.t_verify(20) == pytest.approx(t(20) + 17.75) and c4.t_verify(2) == pytest.approx(t(2) + 1)
     assert p.cost_for(1) is cost                     # R = 1 has measured nothing
 
     def best(c):
@@ -527,8 +528,28 @@ def test_a_cycle_of_r_sequences_costs_what_its_rows_cost_when_run():
         return int(np.argmax([theta(n) for n in range(8)]))
 
     measured = {4: t(4) + 1, 12: t(12) + 1, 32: 60.0}
-    assert best(lambda k: measured.get(k, t(k) + 4.35)) == 2 and best(lambda k: t(k) + 4.35) == 4
+    assert best(lambda k: measured.get(k, t(k) + 17.75)) == 2 and best(lambda k: t(k) + (1 if k == 4 else 17.75)) == 6
     assert p._plan(4, 7)[0] == 2 and p.draft_length(4, 7) == 2
     # a stall is not what the rows cost: one sample counts at most 3x the estimate
     p.observe_cycle(4, 12, 1000.0)
     assert p._cycle_ms[(4, 12)][0] == pytest.approx(16.5 + 0.5 * (3 * 16.5 - 16.5))
+
+
+def test_a_slow_start_of_plain_cycles_is_forgotten_at_once():
+    """Cycle costs are running means (EMA 0.1 after ten samples), but a plain cycle's cost follows
+    every drop at rate 0.5 at least: while auto drafts it measures no plain cycle, so a plain cost
+    overestimated by a slow first cycle would keep drafting looking cheap for good.  By hand: a
+    30 ms first plain cycle, then nine of 10 ms: 10 + 20 * 0.5^9; drafting cycles (60, then nine
+    of 40) keep the plain running mean, 42."""
+    t = lambda b: 10.0 + (b - 1)   # noqa: E731
+    p = VerifyPolicy(mode="auto", cost=CostModel([t(b) for b in range(1, 33)], [8.0]), gamma=7)
+    for ms in [30.0] + [10.0] * 9:
+        p.observe_cycle(1, 1, ms)
+    for ms in [60.0] + [40.0] * 9:
+        p.observe_cycle(1, 8, ms)
+    assert p._cycle_ms[(1, 1)][0] == pytest.approx(10 + 20 * 0.5 ** 9)
+    assert p._cycle_ms[(1, 8)][0] == pytest.approx(42.0)
+    assert p._extra_ms[(1, False)][0] == pytest.approx(20 * 0.5 ** 9)
+    assert p._extra_ms[(1, True)][0] == pytest.approx(42.0 - t(8))
+    p.observe_cycle(1, 1, 20.0)                    # a rise is followed at the mean's own rate, 0.1
+    assert p._cycle_ms[(1, 1)][0] == pytest.approx(10 + 20 * 0.5 ** 9 + 0.1 * (10 - 20 * 0.5 ** 9))

@@ -56,7 +56,7 @@ class VerifyPolicy:
     _skipped: int = 0
     _draft_ms: dict = field(default_factory=dict, repr=False)   # measured draft pass ms per R (EMA)
     _draft_ms_n: dict = field(default_factory=dict, repr=False)  # (R, n drafts) -> measured pass ms (EMA)
-    _extra_ms: dict = field(default_factory=dict, repr=False)   # (R, drafted?) -> cycle ms over the curve (EMA)
+    _extra_ms: dict = field(default_factory=dict, repr=False)   # (R, drafted?) -> (cycle ms over the curve, samples)
     _extra_used: dict = field(default_factory=dict, repr=False)  # what the plan reads (moves in steps)
     _cycle_ms: dict = field(default_factory=dict, repr=False)   # (R, rows) -> (measured cycle ms, samples)
     _cycle_used: dict = field(default_factory=dict, repr=False)  # what the plan reads (moves in steps)
@@ -162,22 +162,34 @@ class VerifyPolicy:
                 not np.isfinite(ms) or ms < 0:
             return
         moved = False
-        key = (n_requests, n_rows > n_requests)
-        extra = ms - self.cost.t_verify(n_rows)
-        old = self._extra_ms.get(key)
-        new = self._extra_ms[key] = extra if old is None else old + 0.1 * (extra - old)
-        moved |= self._step(self._extra_used, key, new)
+        plain = n_rows == n_requests
         cell = (n_requests, n_rows)
         old, seen = self._cycle_ms.get(cell, (None, 0))
         if old is not None:
             ms = min(ms, 3.0 * old)   # one stall (a page fault, the OS) is not what the rows cost
-        new = ms if old is None else old + max(0.1, 1.0 / (seen + 1)) * (ms - old)
-        self._cycle_ms[cell] = (new, seen + 1)
-        moved |= self._step(self._cycle_used, cell, new)
+        new = self._cycle_ms[cell] = (self._mean(old, seen, ms, plain), seen + 1)
+        moved |= self._step(self._cycle_used, cell, new[0])
+        key = (n_requests, not plain)
+        old, seen = self._extra_ms.get(key, (None, 0))
+        new = self._extra_ms[key] = (self._mean(old, seen, ms - self.cost.t_verify(n_rows), plain), seen + 1)
+        moved |= self._step(self._extra_used, key, new[0])
         # the plan reads them only once both kinds of cycle are known for R (before that, one
         # without the other would tilt the comparison by the difference it cannot see)
         if moved and self.extra_estimate(n_requests) != (0.0, 0.0):
             self._version += 1
+
+    @staticmethod
+    def _mean(old: Optional[float], seen: int, x: float, plain: bool) -> float:
+        """A running mean (an EMA of rate 0.1 after ten samples).  A plain cycle's cost follows a
+        drop at once (rate 0.5): a plain cycle overestimated by a slow start would make drafting
+        look cheaper, and while auto drafts it never measures plain cycles again to correct it;
+        one underestimated is corrected by the plain cycles it leads to."""
+        if old is None:
+            return x
+        rate = max(0.1, 1.0 / (seen + 1))
+        if plain and x < old:
+            rate = max(rate, 0.5)
+        return old + rate * (x - old)
 
     @staticmethod
     def _step(used: dict, key, new: float) -> bool:
