@@ -84,3 +84,44 @@ def test_a_file_that_fails_the_checks_is_not_remembered_as_passing(target_path, 
     draft.write_bytes(good)                            # mended: passes, then is remembered
     assert "error" not in _infos("parse", target_path, draft, cache)["draft"]
     assert "error" not in _infos("no-parse", target_path, draft, cache)["draft"]
+
+
+HEADS = r"""
+import json, sys
+if sys.argv[1] == "no-parse":
+    import gguf
+    def refuse(*a, **k):
+        raise AssertionError("parsed a GGUF")
+    gguf.GGUFReader.__init__ = refuse
+import pyllama_dspark.paths  # noqa: F401
+from pyllama_dspark.spec.draft_sampling import read_conf_head, read_d2t
+c = read_conf_head(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+print(json.dumps({"w": list(c.w_h) + list(c.w_r), "b": c.b, "d2t": read_d2t(sys.argv[2]).tolist()}))
+"""
+
+
+def test_the_draft_heads_t_above_0_reads_are_kept_too(tmp_path):
+    """T > 0 drafting reads the confidence head and d2t from the draft file: a later process gets
+    them without parsing, equal to gguf-py's own tensor data (the shipped drafter: F32 conf_proj,
+    a reduced vocabulary)."""
+    import gguf
+    import numpy as np
+    import pyllama_dspark
+
+    draft = os.path.join(os.path.dirname(pyllama_dspark.__file__), "data", "SmolLM2-135M-Instruct-DSpark.gguf")
+    r = gguf.GGUFReader(draft)
+    t = {x.name: np.asarray(x.data).reshape(-1) for x in r.tensors if x.name in ("conf_proj.weight", "conf_proj.bias",
+                                                                                   "d2t")}
+    f = r.fields["dflash.embedding_length"]
+    n_embd = int(f.parts[f.data[0]][0])
+    rank = t["conf_proj.weight"].size - n_embd
+    env = dict(os.environ, PYLLAMA_DSPARK_CACHE=str(tmp_path))
+    outs = []
+    for mode in ("parse", "no-parse"):
+        p = subprocess.run([sys.executable, "-c", HEADS, mode, draft, str(n_embd), str(rank)], capture_output=True,
+                           text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs.append(json.loads(p.stdout))
+    assert outs[0] == outs[1]
+    assert outs[1]["w"] == t["conf_proj.weight"].astype(np.float64).tolist()
+    assert outs[1]["b"] == float(t["conf_proj.bias"][0]) and outs[1]["d2t"] == t["d2t"].astype(np.int64).tolist()

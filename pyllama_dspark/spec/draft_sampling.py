@@ -77,27 +77,44 @@ def _tensor_values(reader, name: str) -> Optional[np.ndarray]:
     return None
 
 
+@dataclass(frozen=True)
+class _DraftHeadValues:
+    """The few tensor values T > 0 drafting reads from a draft file (kept across processes by the
+    gguf layer's store, so a process need not parse the file's metadata again to get them)."""
+    path: str
+    conf_w: Optional[tuple]
+    conf_b: Optional[float]
+    d2t: Optional[tuple]
+
+
+def _head_values(path: str) -> _DraftHeadValues:
+    from pyllama_dspark.gguf.reader import cached_info, read_gguf
+
+    def build() -> _DraftHeadValues:
+        r = read_gguf(path)
+        w, b, d2t = (_tensor_values(r, n) for n in ("conf_proj.weight", "conf_proj.bias", "d2t"))
+        return _DraftHeadValues(path, None if w is None else tuple(float(x) for x in w),
+                                None if b is None else float(b[0]),
+                                None if d2t is None else tuple(int(x) for x in d2t))
+
+    return cached_info("draft-heads", path, True, build, _DraftHeadValues)
+
+
 def read_conf_head(path: str, n_embd: int, rank: int) -> Optional[ConfHead]:
     """The confidence head of a DSpark draft GGUF (None when it has none)."""
-    from pyllama_dspark.gguf.reader import read_gguf
-
-    r = read_gguf(os.fspath(path))
-    w = _tensor_values(r, "conf_proj.weight")
-    if w is None:
+    v = _head_values(os.fspath(path))
+    if v.conf_w is None:
         return None
+    w = np.asarray(v.conf_w, dtype=np.float64)
     if w.size != n_embd + rank:
         raise DraftMismatchError(f"conf_proj.weight has {w.size} values, expected n_embd + rank = {n_embd + rank}")
-    b = _tensor_values(r, "conf_proj.bias")
-    w = w.astype(np.float64)
-    return ConfHead(w[:n_embd].copy(), w[n_embd:].copy(), float(b[0]) if b is not None else 0.0)
+    return ConfHead(w[:n_embd].copy(), w[n_embd:].copy(), v.conf_b if v.conf_b is not None else 0.0)
 
 
 def read_d2t(path: str) -> Optional[np.ndarray]:
     """The draft-row -> target-id table of a reduced-vocabulary draft (None for a full vocabulary)."""
-    from pyllama_dspark.gguf.reader import read_gguf
-
-    t = _tensor_values(read_gguf(os.fspath(path)), "d2t")
-    return None if t is None else t.astype(np.int64)
+    v = _head_values(os.fspath(path))
+    return None if v.d2t is None else np.asarray(v.d2t, dtype=np.int64)
 
 
 def bias_delta(b_graph: np.ndarray, b_sampled: np.ndarray, d2t: Optional[np.ndarray], n_vocab: int) -> np.ndarray:
