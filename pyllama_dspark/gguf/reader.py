@@ -42,11 +42,11 @@ def _cache_get(cache: OrderedDict, key: tuple):
     return None
 
 
-def _cache_put(cache: OrderedDict, key: tuple, value) -> None:
+def _cache_put(cache: OrderedDict, key: tuple, value, limit: int = _CACHE_SIZE) -> None:
     with _CACHE_LOCK:
         cache[key] = value
         cache.move_to_end(key)
-        while len(cache) > (_INFO_CACHE_SIZE if cache is _INFO_CACHE else _CACHE_SIZE):
+        while len(cache) > limit:
             cache.popitem(last=False)
 
 
@@ -63,7 +63,7 @@ def cached_info(kind: str, path: str, use_cache: bool, build: Callable[[], Any],
         if cls is not None:
             stored = info_store.load(kind, file_key, cls, path)
             if stored is not None:
-                _cache_put(_INFO_CACHE, key, stored)
+                _cache_put(_INFO_CACHE, key, stored, _INFO_CACHE_SIZE)
                 return stored
     try:
         info = build()
@@ -74,7 +74,7 @@ def cached_info(kind: str, path: str, use_cache: bool, build: Callable[[], Any],
         raise ModelFileError(f"{os.path.basename(path)}: unexpected {kind} GGUF metadata "
                              f"({type(e).__name__}: {e})") from e
     if use_cache:
-        _cache_put(_INFO_CACHE, key, info)
+        _cache_put(_INFO_CACHE, key, info, _INFO_CACHE_SIZE)
         if cls is not None:
             info_store.save(kind, file_key, info)
     return info

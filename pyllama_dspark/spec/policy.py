@@ -60,7 +60,8 @@ class VerifyPolicy:
     _extra_used: dict = field(default_factory=dict, repr=False)  # what the plan reads (moves in steps)
     _cycle_ms: dict = field(default_factory=dict, repr=False)   # (R, rows) -> (measured cycle ms, samples)
     _cycle_used: dict = field(default_factory=dict, repr=False)  # what the plan reads (moves in steps)
-    _costs: dict = field(default_factory=dict, repr=False)      # R -> (version, CostModel of R sequences)
+    _costs: dict = field(default_factory=dict, repr=False)      # R -> (cost version, CostModel of R sequences)
+    _cost_version: int = 0        # bumped when a cycle cost the plan reads moved (cost_for's cache)
     _n: np.ndarray = field(default=None, repr=False)            # verified tries per position
     _hit_sum: np.ndarray = field(default=None, repr=False)      # decayed sums for the online
     _conf_sum: np.ndarray = field(default=None, repr=False)     # confidence correction
@@ -175,8 +176,10 @@ class VerifyPolicy:
         moved |= self._step(self._extra_used, key, new[0])
         # the plan reads them only once both kinds of cycle are known for R (before that, one
         # without the other would tilt the comparison by the difference it cannot see)
-        if moved and self.extra_estimate(n_requests) != (0.0, 0.0):
-            self._version += 1
+        if moved:
+            self._cost_version += 1
+            if self.extra_estimate(n_requests) != (0.0, 0.0):
+                self._version += 1
 
     @staticmethod
     def _mean(old: Optional[float], seen: int, x: float, plain: bool) -> float:
@@ -217,14 +220,14 @@ class VerifyPolicy:
         plain, draft = self.extra_estimate(r)
         if (plain, draft) == (0.0, 0.0):
             return self.cost
-        hit = self._costs.get(r)
-        if hit is not None and hit[0] == self._version:
+        hit = self._costs.get(r)   # rebuilt when a cycle cost moved, not on every acceptance update
+        if hit is not None and hit[0] == self._cost_version:
             return hit[1]
         c = self.cost
         top = max(len(c.verify_ms), r * (self.gamma + 1))
         v = [self._cycle_used.get((r, k), c.t_verify(k) + (draft if k > r else plain)) for k in range(1, top + 1)]
         model = CostModel(np.maximum(v, 1e-3), c.draft_ms, c.overhead_ms)
-        self._costs[r] = (self._version, model)
+        self._costs[r] = (self._cost_version, model)
         return model
 
     def draft_estimate(self, n_requests: int, n_draft: Optional[int] = None) -> Optional[float]:
