@@ -27,7 +27,7 @@ from pyllama_dspark.llama.handles import ContextSettings
 from pyllama_dspark.llama.models import open_models
 from pyllama_dspark.spec.oracle import OracleProposer
 from pyllama_dspark.paths import default_draft, default_target, random_draft_for
-from pyllama_dspark.spec.policy import policy_for
+from pyllama_dspark.spec.policy_factory import policy_for
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.spec.sampling_params import SamplingParams
 

@@ -28,7 +28,8 @@ from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.spec.drafter import DraftModelProposer
 from pyllama_dspark.llama.handles import ContextSettings
 from pyllama_dspark.llama.models import open_models
-from pyllama_dspark.spec.policy import VerifyPolicy, policy_for
+from pyllama_dspark.spec.policy import VerifyPolicy
+from pyllama_dspark.spec.policy_factory import policy_for
 from pyllama_dspark.spec.schedule import CostModel
 
 N_TOK = 40

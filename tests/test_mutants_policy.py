@@ -4,7 +4,8 @@ policy_for, against values worked out by hand (numbers in the comments)."""
 import numpy as np
 import pytest
 
-from pyllama_dspark.spec.policy import ACC_FLOOR, COST_MODES, MODES, VerifyPolicy, policy_for
+from pyllama_dspark.spec.policy import ACC_FLOOR, COST_MODES, MODES, VerifyPolicy
+from pyllama_dspark.spec.policy_factory import policy_for
 from pyllama_dspark.spec.schedule import CostModel
 
 FLAT = CostModel([10.0] * 16)
@@ -97,7 +98,7 @@ def test_budget_gap_by_hand():
     # probe = draft 50 + t(2) - t(1) = 140 ms; gap = ceil(140 / (0.01 * 10)) = 1400
     p = VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False)
     assert p._budget_gap(1) == 1400 and p._budget_gap(0) == 1400
-    assert p._gaps[1] == (p._version, 1400)
+    assert p._gaps[1] == ((p._version, 0.0), 1400)
     p = VerifyPolicy(mode="auto", cost=NEVER, probe_budget=0.5)
     p.observe_draft(1, 99.0)                       # the cold first pass, replaced by the second
     p.observe_draft(1, 10.0)                       # measured 10 ms: ceil(100 / 5) = 20
@@ -351,6 +352,36 @@ def test_learned_and_restore_by_hand():
     # with fixed costs the draft figure is the profile's: not restored
     f = VerifyPolicy(mode="auto", cost=NEVER, gamma=3, learn_costs=False)
     assert f.restore(st) and f._draft_ms == {}
+    for bad in ({**st, "cold_ms": -1.0}, {**st, "cold_ms": float("nan")}, {**st, "cold_ms": "x"},
+                {**st, "skipped": "many"}):
+        assert not VerifyPolicy(mode="auto", cost=NEVER, gamma=3).restore(bad)
+    assert c.restore({**st, "skipped": -5}) and c._skipped == 0
+
+
+def test_a_process_first_probe_pays_its_cold_pass_and_probes_are_spaced_across_processes():
+    """`run` is one process per prompt: the plain cycles since the last probe carry over to the next
+    process (else every process long enough would probe), and a probe that is a process's first
+    pass is charged what a cold pass costs more (graph, pages, the rows deferred since the prompt)."""
+    a = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    a.observe_draft(1, 40.0)                       # cold first pass (no memory) ...
+    a.observe_draft(1, 8.0)                        # ... and the warm second one: 32 ms more
+    assert a._cold_ms == 32.0
+    # NEVER: t(1) = 10, t(2) = 100; probe = draft 8 + 90 = 98 ms over 1% of 10 ms: 980 cycles
+    assert a._budget_gap(1) == 980
+    st = a.learned()
+    assert st["cold_ms"] == 32.0 and st["skipped"] == 0
+    b = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    assert b.restore(st) and b._cold_ms == 32.0
+    assert b._budget_gap(1) == 1300                # its first pass would be cold: ceil((32 + 98) / 0.1)
+    assert not any(b.want_draft(1) for _ in range(500))
+    assert b.learned()["skipped"] == 500
+    c = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    assert c.restore(b.learned()) and c._skipped == 500
+    got = [c.want_draft(1) for _ in range(800)]   # 500 + 800 = 1300: the probe is the 800th call
+    assert not any(got[:-1]) and got[-1] and c._probing and c._skipped == 0
+    c.observe_draft(1, 50.0)                       # c's cold first pass: 42 more than 8
+    assert c._cold_ms == pytest.approx(32.0 + 0.3 * 10.0) and c.draft_estimate(1) == 8.0
+    assert c._budget_gap(1) == 980                 # warm now: no cold charge
 
 
 def _theta_by_hand(acc, n, t, draft_full, gamma=7, share=0.05):

@@ -76,6 +76,7 @@ class VerifyPolicy:
     _gaps: dict = field(default_factory=dict, repr=False)   # R -> (version, cycles between probes)
     _restored_draft: bool = False  # draft_ms came from an earlier process (its first pass here is cold)
     _draft_passes: int = 0         # draft passes timed in this process
+    _cold_ms: Optional[float] = None  # a process's first pass over a warm one (kept in the memory)
     _plans: dict = field(default_factory=dict, repr=False)  # (R, n_max) -> (version, (block, throughput))
     _conf_seen: bool = False       # the proposals carry confidences (verification may go past the plan)
     memory_path: Optional[str] = field(default=None, repr=False)   # where .policy_memory keeps what it learned
@@ -136,21 +137,31 @@ class VerifyPolicy:
         raw = ms
         ms = ms / self.block_factor(n_draft)
         self._draft_passes += 1
+        key = (n_requests, nd)
         if self._draft_passes == 1 and self._restored_draft:
-            # the first pass of a process is cold (graph allocation, weights paged in): with a
-            # figure learned by an earlier process, it is not what drafting costs here
+            # the first pass of a process is cold (graph allocation, weights paged in, the rows
+            # deferred since the prompt injected): with a figure learned by an earlier process, it
+            # is not what drafting costs here, but what it costs over it is what a process's first
+            # probe costs (:meth:`_budget_gap`)
+            self._observe_cold(raw - self.draft_estimate(n_requests, n_draft))
             return
         old = self._draft_ms.get(n_requests)
         if self._draft_passes == 2 and not self._restored_draft:
             old = None   # the first, cold pass was a placeholder: the second one replaces it
+            if key in self._draft_ms_n:
+                self._observe_cold(self._draft_ms_n[key] - raw)
             self._draft_ms_n = {k: v for k, v in self._draft_ms_n.items() if k[0] != n_requests}
         self._draft_ms[n_requests] = ms if old is None else old + 0.2 * (ms - old)
         # the pass of exactly this block size, as measured: a pass's cost is not linear in its rows
         # everywhere (kernels change with the batch), so a measured size beats the scaled estimate
-        key = (n_requests, nd)
         old_n = self._draft_ms_n.get(key)
         self._draft_ms_n[key] = raw if old_n is None else old_n + 0.2 * (raw - old_n)
         self._version += 1
+
+    def _observe_cold(self, extra_ms: float) -> None:
+        """What a process's first (cold) pass cost over a warm one: a running mean (rate 0.3)."""
+        x = max(0.0, float(extra_ms))
+        self._cold_ms = x if self._cold_ms is None else self._cold_ms + 0.3 * (x - self._cold_ms)
 
     def observe_cycle(self, n_requests: int, n_rows: int, ms: float) -> None:
         """A cycle of ``n_requests`` sequences decoded ``n_rows`` rows and, with accepting, injecting
@@ -304,14 +315,16 @@ class VerifyPolicy:
         """Plain cycles between probes for the probes to cost <= probe_budget of the decoding time
         (recomputed only when the draft cost estimate changed)."""
         r = max(1, n_requests)
+        # a probe that would be this process's first pass also pays what a cold pass costs more
+        cold = (self._cold_ms or 0.0) if self._draft_passes == 0 else 0.0
         hit = self._gaps.get(r)
-        if hit is not None and hit[0] == self._version:
+        if hit is not None and hit[0] == (self._version, cold):
             return hit[1]
         c = self.cost_for(r)
         draft = self.draft_estimate(r)
-        probe = (c.t_draft(r) if draft is None else draft) + c.t_verify(2 * r) - c.t_verify(r)
+        probe = cold + (c.t_draft(r) if draft is None else draft) + c.t_verify(2 * r) - c.t_verify(r)
         gap = int(np.ceil(max(0.0, probe) / (max(self.probe_budget, 1e-6) * max(c.t_verify(r), 1e-6))))
-        self._gaps[r] = (self._version, gap)
+        self._gaps[r] = ((self._version, cold), gap)
         return gap
 
     def _pays_now(self, n_requests: int) -> bool:
@@ -399,11 +412,16 @@ class VerifyPolicy:
     # ---- what it learned, across processes (see .policy_memory) -----------------------------
     def learned(self) -> dict:
         """What the running estimates hold (JSON-able): acceptance per position and its weight,
-        the confidence correction's sums, the measured draft pass ms per R, the probe back-off."""
-        return dict(gamma=self.gamma, acc=self._acc.tolist(), n=self._n.tolist(), hit_sum=self._hit_sum.tolist(),
-                    conf_sum=self._conf_sum.tolist(), draft_ms={str(r): v for r, v in self._draft_ms.items()},
-                    draft_ms_n={f"{r}:{n}": v for (r, n), v in self._draft_ms_n.items()},
-                    probe_gap=self._probe_gap, cycles=self._cycles)
+        the confidence correction's sums, the measured draft pass ms per R, what a cold first pass
+        costs more, the probe back-off and the plain cycles since the last probe (probes are spaced
+        across processes, not restarted in each)."""
+        out = dict(gamma=self.gamma, acc=self._acc.tolist(), n=self._n.tolist(), hit_sum=self._hit_sum.tolist(),
+                   conf_sum=self._conf_sum.tolist(), draft_ms={str(r): v for r, v in self._draft_ms.items()},
+                   draft_ms_n={f"{r}:{n}": v for (r, n), v in self._draft_ms_n.items()},
+                   probe_gap=self._probe_gap, skipped=self._skipped, cycles=self._cycles)
+        if self._cold_ms is not None:
+            out["cold_ms"] = self._cold_ms
+        return out
 
     def restore(self, state: dict) -> bool:
         """Start from what an earlier process learned (:meth:`learned`) instead of the optimistic
@@ -416,12 +434,16 @@ class VerifyPolicy:
             draft_ms_n = {tuple(int(x) for x in k.split(":")): float(v)
                           for k, v in dict(state.get("draft_ms_n") or {}).items()}
             gap = int(state.get("probe_gap", self.probe_every))
+            skipped = int(state.get("skipped", 0))
+            cold = state.get("cold_ms")
+            cold = None if cold is None else float(cold)
         except (KeyError, TypeError, ValueError):
             return False
         if any(a.shape != (self.gamma,) or not np.all(np.isfinite(a)) for a in arrays) or \
                 not all(r > 0 and np.isfinite(v) and v >= 0 for r, v in draft_ms.items()) or \
                 not all(len(k) == 2 and k[0] > 0 and 1 <= k[1] <= self.gamma and np.isfinite(v) and v >= 0
-                        for k, v in draft_ms_n.items()):
+                        for k, v in draft_ms_n.items()) or \
+                (cold is not None and not (np.isfinite(cold) and cold >= 0)):
             return False
         acc, n, hit, conf = arrays
         self._acc = np.clip(acc, ACC_FLOOR, 1.0)
@@ -430,7 +452,9 @@ class VerifyPolicy:
             self._draft_ms = draft_ms
             self._draft_ms_n = {k: v for k, v in draft_ms_n.items() if k[0] in draft_ms}
             self._restored_draft = bool(draft_ms)
+            self._cold_ms = cold
         self._probe_gap = max(1, min(gap, 16 * max(1, self.probe_every)))
+        self._skipped = max(0, min(skipped, 10 ** 9))
         self._version += 1
         return True
 
@@ -457,38 +481,3 @@ class VerifyPolicy:
                      f"(--schedule off forces the fixed block)")
         return line
 
-
-def policy_for(mode: Optional[str], *, has_draft: bool, has_confidence: bool, cost_source=None,
-               conf_min: Optional[float] = None, p_survival_min: Optional[float] = None,
-               temperatures: Optional[Sequence[float]] = None, gamma: int = 7) -> Optional["VerifyPolicy"]:
-    """The one constructor of a verification policy from user input, for every front end.
-
-    ``mode`` None picks ``static`` / ``survival`` when their threshold is given, else ``auto``.
-    Returns None (plain fixed-length verification) for ``off`` and when there is no draft.
-    ``cost_source``: a :class:`~.schedule.CostModel`, a :class:`~.costprofile.Profile`, or a
-    callable returning either (called only when a cost-driven mode needs it: measuring is slow)."""
-    if mode is None:
-        mode = "static" if conf_min is not None else "survival" if p_survival_min is not None else "auto"
-    if mode not in MODES:
-        raise ValueError(f"schedule must be one of {MODES}, got {mode!r}")
-    if mode == "off" or not has_draft:
-        if mode in ("static", "survival", "profiled") and not has_draft:
-            raise ValueError(f"the {mode} schedule needs a draft")
-        return None
-    if mode in ("static", "survival", "profiled") and not has_confidence:
-        raise ValueError(f"the {mode} schedule needs a draft with a confidence head (use auto or off)")
-    if mode == "static" and conf_min is None:
-        raise ValueError("the static schedule needs conf_min")
-    if mode == "survival" and p_survival_min is None:
-        raise ValueError("the survival schedule needs p_survival_min")
-    cost, learn = None, True
-    if mode in COST_MODES:
-        src = cost_source() if callable(cost_source) else cost_source
-        if src is None:
-            raise ValueError(f"the {mode} schedule needs a cost profile")
-        if hasattr(src, "cost_model"):
-            learn = not getattr(src, "fixed", False)
-            src = src.cost_model()
-        cost = src
-    return VerifyPolicy(mode=mode, conf_min=conf_min or 0.0, p_survival_min=p_survival_min or 0.0, cost=cost,
-                        temperatures=temperatures, gamma=gamma, learn_costs=learn)

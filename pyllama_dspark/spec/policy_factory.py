@@ -2,7 +2,7 @@
 
 Every front end (``run``, ``serve``, ``bench``, ``bench-schedule``, :class:`~pyllama_dspark.decode.api.Speculator`,
 the ``Llama`` plug-in and the ``DSpark`` class) calls :func:`make_policy`; they differ only in
-where their options come from.  The policy itself is built by :func:`~.policy.policy_for`; this
+where their options come from.  The policy itself is built by :func:`policy_for`; the rest of this
 module finds what it needs: the cost curve (the cached auto curve, a profile file, or a full
 profile measured with the draft), the calibration file, whether the proposer reports confidences,
 and what an earlier process learned (:mod:`.policy_memory`).
@@ -11,10 +11,46 @@ and what an earlier process learned (:mod:`.policy_memory`).
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from pyllama_dspark.spec import costprofile, policy_memory
-from pyllama_dspark.spec.policy import MODES, VerifyPolicy, policy_for
+from pyllama_dspark.spec.policy import COST_MODES, MODES, VerifyPolicy
+
+
+def policy_for(mode: Optional[str], *, has_draft: bool, has_confidence: bool, cost_source=None,
+               conf_min: Optional[float] = None, p_survival_min: Optional[float] = None,
+               temperatures: Optional[Sequence[float]] = None, gamma: int = 7) -> Optional[VerifyPolicy]:
+    """The one constructor of a verification policy from user input, for every front end.
+
+    ``mode`` None picks ``static`` / ``survival`` when their threshold is given, else ``auto``.
+    Returns None (plain fixed-length verification) for ``off`` and when there is no draft.
+    ``cost_source``: a :class:`~.schedule.CostModel`, a :class:`~.costprofile.Profile`, or a
+    callable returning either (called only when a cost-driven mode needs it: measuring is slow)."""
+    if mode is None:
+        mode = "static" if conf_min is not None else "survival" if p_survival_min is not None else "auto"
+    if mode not in MODES:
+        raise ValueError(f"schedule must be one of {MODES}, got {mode!r}")
+    if mode == "off" or not has_draft:
+        if mode in ("static", "survival", "profiled") and not has_draft:
+            raise ValueError(f"the {mode} schedule needs a draft")
+        return None
+    if mode in ("static", "survival", "profiled") and not has_confidence:
+        raise ValueError(f"the {mode} schedule needs a draft with a confidence head (use auto or off)")
+    if mode == "static" and conf_min is None:
+        raise ValueError("the static schedule needs conf_min")
+    if mode == "survival" and p_survival_min is None:
+        raise ValueError("the survival schedule needs p_survival_min")
+    cost, learn = None, True
+    if mode in COST_MODES:
+        src = cost_source() if callable(cost_source) else cost_source
+        if src is None:
+            raise ValueError(f"the {mode} schedule needs a cost profile")
+        if hasattr(src, "cost_model"):
+            learn = not getattr(src, "fixed", False)
+            src = src.cost_model()
+        cost = src
+    return VerifyPolicy(mode=mode, conf_min=conf_min or 0.0, p_survival_min=p_survival_min or 0.0, cost=cost,
+                        temperatures=temperatures, gamma=gamma, learn_costs=learn)
 
 
 def pick_mode(schedule: Optional[str], conf_min: Optional[float] = None,
