@@ -55,20 +55,22 @@ def _check_timings(t: dict, stats) -> None:
 
 def test_chat_equals_llama_greedy_and_streams_concatenate(ds, cases):
     failures, drafted = [], 0
-    for name, msgs, ref in cases[::2]:   # one prompt per benchmark file
+    for i, (name, msgs, ref) in enumerate(cases[::2]):   # one prompt per benchmark file
         r = greedy_chat(ds, msgs)
         drafted += r["timings"]["draft_n"]
-        text, chunks = streamed_content(greedy_chat(ds, msgs, stream=True))
         if content(r) != content(ref):
             failures.append(f"{name}: {content(r)!r} != {content(ref)!r}")
-        if text != content(r):
-            failures.append(f"{name} (stream): {text!r} != {content(r)!r}")
         # llama-cpp-python's schema, plus timings
         assert set(ref) <= set(r) and r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
         assert r["usage"] == ref["usage"], name
         assert r["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"], name
         assert r["choices"][0]["message"]["role"] == "assistant"
         _check_timings(r["timings"], ds.last_stats)
+        if i >= 2:   # the stream of the first two prompts
+            continue
+        text, chunks = streamed_content(greedy_chat(ds, msgs, stream=True))
+        if text != content(r):
+            failures.append(f"{name} (stream): {text!r} != {content(r)!r}")
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
         assert all(c["object"] == "chat.completion.chunk" for c in chunks)
         assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)

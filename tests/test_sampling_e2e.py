@@ -18,9 +18,13 @@ junk tokens: partial acceptance).  One configuration adds repeat/presence penalt
 A negative control runs the same harness with a proposer that reports a q other than the one it
 drew from; the test must reject it (that is what makes the harness able to fail).
 
-Samples: 714 per random-draft case (a block decode per sample) and 1000 per oracle case (no draft
-decode), 2 x 714 + 3 x 1000 = 4.4k in all (the negative control is rejected with 800), ~1.5 minutes
-on 2 idle cores; ``PYLLAMA_DSPARK_E2E_SAMPLES`` scales them (the value is the oracle cases' count).
+Samples: 1000 per oracle case (no draft decode) and 400 per random-draft case (a block decode per
+sample), 3 x 1000 + 2 x 400 = 3.8k in all (the negative control is rejected with 800), ~1 minute on
+2 idle cores.  The oracle cases carry the power against a wrong rule: with the residual replaced by
+p (a planted bug), the three of them reject it (combined p 1e-4 with 1000 each) and the random
+draft's cases add nothing (nothing is accepted, so the residual is p).  The random draft's cases
+are the real draft pass at T > 0, with and without penalties: a gross break of that path.
+``PYLLAMA_DSPARK_E2E_SAMPLES`` scales them (the value is the oracle cases' count).
 The joint law of longer prefixes with whole blocks is test_sampling_blocks.py's.
 """
 
@@ -40,7 +44,7 @@ from pyllama_dspark.spec.sampling_params import SamplingParams
 from test_sampling_rule import chi2_sf
 
 N_ORACLE = int(os.environ.get("PYLLAMA_DSPARK_E2E_SAMPLES", "1000"))
-N_DRAFT = max(1, N_ORACLE * 5 // 7)
+N_DRAFT = max(1, N_ORACLE * 2 // 5)
 THREADS = TEST_THREADS
 PARAMS = {
     "plain": SamplingParams(temperature=1.0, top_k=12, top_p=0.95, min_p=0.02),
