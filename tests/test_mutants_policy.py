@@ -604,6 +604,26 @@ def test_rows_of_r_sequences_never_run_are_tried_then_their_measured_cost_decide
     assert one.cost_for(1).t_verify(5) == pytest.approx(t(5) + 5.0)
 
 
+def test_one_plain_cycle_is_run_when_only_drafting_cycles_were_measured():
+    """The plan reads measured cycle costs only once plain and drafting cycles of R are both known;
+    where drafting pays from the start no plain cycle would ever be run, and the measured drafting
+    costs would never count.  So after a drafting cycle of R sequences, one plain cycle is run."""
+    t = lambda b: 10.0 + (b - 1) / 2   # noqa: E731
+    p = VerifyPolicy(mode="auto", cost=CostModel([t(b) for b in range(1, 33)], [1.0]), gamma=7)
+    p._acc, p._n = np.full(7, 0.95), np.full(7, 1e12)
+    assert p.want_draft(4)                          # the first two passes learn the draft's cost
+    p.observe_draft(4, 1.0)
+    p.observe_draft(4, 1.0)
+    assert p.want_draft(4)                          # pays: 4 * 6.7 tokens in 26.5 ms vs 4 in 11.5
+    p.observe_cycle(4, 32, 40.0)
+    assert p.cost_for(4) is p.cost and not p.want_draft(4) and not p._probing
+    assert p.want_draft(1)                          # R = 1 measured no drafting cycle yet
+    p.observe_cycle(4, 4, t(4) + 1.0)
+    assert p.want_draft(4) and p.cost_for(4).t_verify(32) == pytest.approx(40.0)
+    p.observe_cycle(4, 32, 40.0)
+    assert p.want_draft(4)                          # known now: no more plain cycles forced
+
+
 def test_a_slow_start_of_plain_cycles_is_forgotten_at_once():
     """Cycle costs are running means (EMA 0.1 after ten samples), but a plain cycle's cost follows
     every drop at rate 0.5 at least: while auto drafts it measures no plain cycle, so a plain cost

@@ -306,7 +306,13 @@ class VerifyPolicy:
         if self.learn_costs and not self._restored_draft and self._draft_passes < 2:
             # two passes to learn what drafting costs here (the first of a process is cold)
             return True
-        if self._pays_now(max(1, n_requests)):
+        r = max(1, n_requests)
+        if self.learn_costs and (r, True) in self._extra_ms and (r, False) not in self._extra_ms:
+            # drafting cycles of R sequences measured, a plain one never: the plan reads the measured
+            # cycle costs only once both kinds are known, so one plain cycle is run to know it (else
+            # while auto drafts from the start, at R = 4 say, it would plan on the curve for good)
+            return False
+        if self._pays_now(r):
             self._skipped = 0
             self._probe_gap = self.probe_every
             return True
