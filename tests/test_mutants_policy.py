@@ -547,8 +547,7 @@ def test_a_cycle_of_r_sequences_costs_what_its_rows_cost_when_run():
     c4 = p.cost_for(4)
     assert c4.t_verify(4) == pytest.approx(t(4) + 1) and c4.t_verify(12) == pytest.approx(t(12) + 1)
     assert c4.t_verify(32) == pytest.approx(60.0)
-    # rows not run: the curve plus the drafting cycles' extra, planned at COST_OPTIMISM = 0.9 of it
-    assert c4.t_verify(20) == pytest.approx((t(20) + 17.75) * 0.9) and c4.t_verify(2) == pytest.approx(t(2) + 1)
+    assert c4.t_verify(20) == pytest.approx(t(20) + 17.75) and c4.t_verify(2) == pytest.approx(t(2) + 1)
     assert p.cost_for(1) is cost                     # R = 1 has measured nothing
 
     def best(c):
@@ -560,48 +559,11 @@ def test_a_cycle_of_r_sequences_costs_what_its_rows_cost_when_run():
         return int(np.argmax([theta(n) for n in range(8)]))
 
     measured = {4: t(4) + 1, 12: t(12) + 1, 32: 60.0}
-    assert best(lambda k: measured.get(k, (t(k) + 17.75) * 0.9)) == 2
-    assert best(lambda k: t(k) + (1 if k == 4 else 17.75)) == 6
+    assert best(lambda k: measured.get(k, t(k) + 17.75)) == 2 and best(lambda k: t(k) + (1 if k == 4 else 17.75)) == 6
     assert p._plan(4, 7)[0] == 2 and p.draft_length(4, 7) == 2
     # a stall is not what the rows cost: one sample counts at most 3x the estimate
     p.observe_cycle(4, 12, 1000.0)
     assert p._cycle_ms[(4, 12)][0] == pytest.approx(16.5 + 0.5 * (3 * 16.5 - 16.5))
-
-
-def test_rows_of_r_sequences_never_run_are_tried_then_their_measured_cost_decides():
-    """R = 4, acceptance 0.8, a full pass 8 ms, the one-sequence curve t(b) = 10 + (b - 1) / 2;
-    measured: plain cycles 25 ms, 4 blocks of 7 (32 rows) 60 ms (34.5 over t(32)).  Rows never run
-    are planned at 0.9 of the curve plus 34.5: verifying 7, 7, 7 and 6 (31 rows, 0.9 * 59.5 =
-    53.55 ms) then beats 32 rows (by hand, 4 blocks' tokens 4 + 3 * 4.161 + 3.951 over 61.55 ms:
-    267.4 tokens/s against 4 * 4.161 / 68 ms = 244.8), so 31 rows are tried.  Measured as the
-    curve said, every row count leaves the plan where the curve alone puts it (244.8, all 7);
-    28 rows measured at 40 ms (a kernel step the curve misses) make blocks of 6 the plan.  At
-    R = 1 the curve is what was measured: no optimism."""
-    t = lambda b: 10.0 + (b - 1) / 2   # noqa: E731
-
-    def policy():
-        p = VerifyPolicy(mode="auto", cost=CostModel([t(b) for b in range(1, 33)], [8.0]), gamma=7)
-        p._acc, p._n = np.full(7, 0.8), np.full(7, 1e12)
-        p.observe_draft(4, 8.0)
-        p.observe_draft(4, 8.0)
-        p.observe_cycle(4, 4, 25.0)
-        p.observe_cycle(4, 32, 60.0)
-        return p
-
-    p = policy()
-    assert p.cost_for(4).t_verify(31) == pytest.approx(0.9 * (t(31) + 34.5))
-    assert p.lengths([None] * 4, [7] * 4) == [7, 7, 7, 6]
-    assert p._plan(4, 7) == (7, pytest.approx(267.4, abs=0.1))
-    for k in range(5, 32):
-        p.observe_cycle(4, k, t(k) + 34.5)
-    assert p.lengths([None] * 4, [7] * 4) == [7] * 4 and p._plan(4, 7) == (7, pytest.approx(244.8, abs=0.1))
-    q = policy()
-    q.observe_cycle(4, 28, 40.0)
-    assert q._plan(4, 7)[0] == 6
-    one = VerifyPolicy(mode="auto", cost=CostModel([t(b) for b in range(1, 33)], [8.0]), gamma=7)
-    one.observe_cycle(1, 1, t(1) + 1.0)
-    one.observe_cycle(1, 8, t(8) + 5.0)
-    assert one.cost_for(1).t_verify(5) == pytest.approx(t(5) + 5.0)
 
 
 def test_one_plain_cycle_is_run_when_only_drafting_cycles_were_measured():

@@ -39,13 +39,6 @@ DRAFT_FIXED_SHARE = 0.05
 #: until known; with a memory of earlier runs (n_k large) the margin is gone.
 OPTIMISM = 0.5
 ACC_VAR_FLOOR = 0.05
-#: Optimism for what was never run: a drafting cycle of R > 1 sequences with a row count not
-#: measured yet is planned at this share of its estimate (the one-sequence curve plus what drafting
-#: cycles cost over it).  That curve misses the kernel steps of R sequences (a random 1.7B at R = 4:
-#: 16 rows run in 159 ms against the curve's 189, 32 rows in 280 against 345), so a block whose
-#: cycle was never run could otherwise never be found to be the best; once run, its measured cost
-#: decides.  At R = 1 the curve is what was measured.
-COST_OPTIMISM = 0.9
 
 
 @dataclass
@@ -233,8 +226,7 @@ class VerifyPolicy:
     def cost_for(self, n_requests: int) -> CostModel:
         """The cost curve of a cycle of R sequences: t(rows) as measured in this run (verify, accept,
         inject, roll back) where that many rows were run, else the profile's t(rows) plus what such
-        cycles cost over it (:data:`COST_OPTIMISM` of it for drafting cycles); the profile's own
-        curve until both kinds of cycle are known."""
+        cycles cost over it; the profile's own curve until both kinds of cycle are known."""
         r = max(1, n_requests)
         plain, draft = self.extra_estimate(r)
         if (plain, draft) == (0.0, 0.0):
@@ -244,9 +236,7 @@ class VerifyPolicy:
             return hit[1]
         c = self.cost
         top = max(len(c.verify_ms), r * (self.gamma + 1))
-        hope = COST_OPTIMISM if r > 1 else 1.0   # the curve was measured on one sequence
-        v = [self._cycle_used.get((r, k), (c.t_verify(k) + draft) * hope if k > r else c.t_verify(k) + plain)
-             for k in range(1, top + 1)]
+        v = [self._cycle_used.get((r, k), c.t_verify(k) + (draft if k > r else plain)) for k in range(1, top + 1)]
         model = CostModel(np.maximum(v, 1e-3), c.draft_ms, c.overhead_ms)
         self._costs[r] = (self._cost_version, model)
         return model
