@@ -26,8 +26,7 @@ def policy_for(mode: Optional[str], *, has_draft: bool, has_confidence: bool, co
     Returns None (plain fixed-length verification) for ``off`` and when there is no draft.
     ``cost_source``: a :class:`~.schedule.CostModel`, a :class:`~.costprofile.Profile`, or a
     callable returning either (called only when a cost-driven mode needs it: measuring is slow)."""
-    if mode is None:
-        mode = "static" if conf_min is not None else "survival" if p_survival_min is not None else "auto"
+    mode = pick_mode(mode, conf_min, p_survival_min)
     if mode not in MODES:
         raise ValueError(f"schedule must be one of {MODES}, got {mode!r}")
     if mode == "off" or not has_draft:
