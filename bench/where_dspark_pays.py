@@ -2,7 +2,7 @@
 
     python bench/where_dspark_pays.py --targets smollm2,/tmp/targets/qwen3-0.6b-q4_0.gguf,... \\
         [--p 0.3,0.5,0.7,0.8,0.9,0.95] [--fixed 1,2,3,5,7] [--rs 1,4] [-n 32] [--prompts 3] \\
-        [--json out.json] [--png out.png]
+        [--repeats 1] [--json out.json] [--png out.png]
 
 For every target: the proposer is ``-md oracle:P``
 (:class:`~pyllama_dspark.spec.oracle.OracleDraft`: the target's greedy continuation, the full block
@@ -12,8 +12,12 @@ discarded; no confidences). Configurations: no draft, fixed blocks n (``--schedu
 n = 3 is llama.cpp's default ``--spec-draft-n-max``, n = 7 the full block) and auto (the default
 schedule, one policy per (P, R) kept across the prompts as a server or the memory keeps it). R = 1
 (one sequence) and R = 4 (four sequences decoded together), T = 0. Every prompt runs every
-configuration back to back in an order rotated per prompt; the table gives the median over the
-prompts of each run's tok/s over the same prompt's no-draft run. Also printed: the target's cost
+configuration back to back in an order rotated per prompt, ``--repeats`` times (each pass rotated
+again); a sample is one run's tok/s over the no-draft run of the same prompt and pass (paired), and
+the table gives the median over the samples. A second no-draft run per sample (the control) measures
+what the machine's noise alone does to such a ratio, and each cell's auto / best comes with a
+bootstrap 90% interval over the samples (best = the highest of no draft and every fixed n, whose
+maximum over noisy columns reads high by itself). Also printed: the target's cost
 curve t(k)/t(1), the draft pass time, and for each (target, R, P) auto against the best of (no
 draft, every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft(l) + t(l + 1)),
 t_draft(l) the measured pass of a block of l drafts.
@@ -77,7 +81,7 @@ def draft_pass_ms(t, d, prompt, R: int, reps: int = 12, n: int = 7) -> float:
     return float(np.median(times))
 
 
-def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log):
+def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, margins=()):
     draft = oracle_draft_for(path)
     items = load_prompts((), limit_per_file=1)[:n_prompts]
     out = {"target": os.path.basename(path), "draft": os.path.basename(draft), "cells": []}
@@ -113,15 +117,20 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log):
                 + " ms (n = 1 is " + f"{by_n[0] / tdraft:.2f} of n = 7)")
             out.setdefault("draft_ms", {})[str(R)] = by_n
             inner = DraftModelProposer(d)
-            configs = [("none", 0)] + [(f"fixed {k}", k) for k in fixed] + [("auto", 7)]
-            results = {("none", None): []}
+            # auto as shipped, and auto with other draft margins side by side (an A/B in one run)
+            autos = {"auto": None, **{f"auto m={m:g}": m for m in margins}}
+            configs = [("none", 0)] + [(f"fixed {k}", k) for k in fixed] + [(a, 7) for a in autos]
+            results = {("none", None): [], ("control", None): []}
             policies = {}
             for P in Ps:
                 for name, k in configs[1:]:
                     results[(name, P)] = []
                 oracle = OracleDraft(t, inner, P)
-                policies[P] = make_policy(t, d, "auto", proposer=oracle, gamma=7, remember=False)
-            runs = [("none", None)] + [(name, P) for P in Ps for name, _ in configs[1:]]
+                for a, m in autos.items():
+                    policies[(a, P)] = make_policy(t, d, "auto", proposer=oracle, gamma=7, remember=False)
+                    if m is not None:
+                        policies[(a, P)].draft_margin = m
+            runs = [("none", None), ("control", None)] + [(name, P) for P in Ps for name, _ in configs[1:]]
             diverged = [0]
             prompt_inject = [0.0]
             catch_up = inner.catch_up
@@ -133,29 +142,31 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log):
                 if dq is not None and dq.pos0 == 0:
                     prompt_inject[0] += time.perf_counter() - t_
             inner.catch_up = timed_catch_up
-            for P in Ps:   # auto's steady state: what a server, or the memory of earlier runs, starts from
-                warm = OracleDraft(t, inner, P, seed=99)
+            for a, P in [(a, P) for P in Ps for a in autos]:   # auto's steady state: what a server,
+                warm = OracleDraft(t, inner, P, seed=99)         # or the memory of earlier runs, starts from
                 batch0 = [prompts[j % len(prompts)] for j in range(R)]
                 for p_, r_ in zip(batch0, batch_refs[0]):
                     warm.set.add(p_, r_)
-                dec = Decoder(t, warm, n_max=7, policy=policies[P])
+                dec = Decoder(t, warm, n_max=7, policy=policies[(a, P)])
                 for p_ in batch0:
                     dec.submit(p_, n, ignore_eos=True)
                 while dec.pending():
                     dec.step()
             kmap = dict(configs)
-            for i in range(len(prompts)):
+            for unit in range(len(prompts) * repeats):
+                i, rep = unit % len(prompts), unit // len(prompts)
                 batch = [prompts[(i + j) % len(prompts)] for j in range(R)]
                 brefs = batch_refs[i]
-                rot = runs[i % len(runs):] + runs[:i % len(runs)]
+                shift = (i + rep * (len(runs) // 2 + 1)) % len(runs)
+                rot = runs[shift:] + runs[:shift]
                 for name, P in rot:
-                    if name == "none":
+                    if name in ("none", "control"):
                         prop, pol, nm = None, None, 1
                     else:
-                        prop = OracleDraft(t, inner, P, seed=i)
+                        prop = OracleDraft(t, inner, P, seed=unit)
                         for p_, r_ in zip(batch, brefs):
                             prop.set.add(p_, r_)
-                        pol = policies[P] if name == "auto" else None
+                        pol = policies[(name, P)] if name in autos else None
                         nm = kmap[name]
                     dec = Decoder(t, prop, n_max=nm, policy=pol)
                     rids = [dec.submit(p_, n, ignore_eos=True) for p_ in batch]
@@ -178,22 +189,36 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log):
                     dt = total - max(dn.stats.ms_prefill for dn in done) / 1e3 - prompt_inject[0]
                     results[(name, P)].append((ntok / dt, (acc + cyc) / max(cyc, 1), ver / max(cyc, 1)))
             if diverged[0]:
-                log(f"R={R}: {diverged[0]} of {len(runs) * len(prompts) * R} sequences left the reference "
+                log(f"R={R}: {diverged[0]} of {len(runs) * len(prompts) * repeats * R} sequences left the reference "
                     "(near-ties decoded with other batch shapes); the oracle is then wrong from there on")
-            nones = [x[0] for x in results[("none", None)]]
-            base = statistics.median(nones)
+            nones = np.array([x[0] for x in results[("none", None)]])
+            base = float(np.median(nones))
+            control = np.array([x[0] for x in results[("control", None)]]) / nones
+            q = np.percentile(control, [5, 25, 50, 75, 95])
+            log(f"R={R}: control (no draft over no draft, {control.size} samples): median {q[2]:.3f}, "
+                f"quartiles {q[1]:.3f}-{q[3]:.3f}, 5-95% {q[0]:.3f}-{q[4]:.3f}")
+            out.setdefault("control", {})[str(R)] = control.tolist()
+            rng = np.random.default_rng(0)
+            boot = rng.integers(0, nones.size, size=(2000, nones.size))
             for P in Ps:
-                row = {"R": R, "P": P, "none_tps": base}
+                row = {"R": R, "P": P, "none_tps": base, "samples": int(nones.size)}
+                ratios = {}
                 for name, k in configs[1:]:
                     xs = results[(name, P)]
-                    # paired: each prompt's run against the same prompt's no-draft run (the machine's
-                    # speed drifts by ~10% over minutes; one prompt's runs are seconds apart)
-                    row[name] = statistics.median(x[0] / b for x, b in zip(xs, nones))
+                    # paired: each run against the same prompt's no-draft run of the same pass (the
+                    # machine's speed drifts by ~10% over minutes; one prompt's runs are seconds apart)
+                    ratios[name] = np.array([x[0] for x in xs]) / nones
+                    row[name] = float(np.median(ratios[name]))
                     row[name + " tau"] = statistics.median(x[1] for x in xs)
                     row[name + " verified"] = statistics.median(x[2] for x in xs)
                 best_fixed = max(row[f"fixed {k}"] for k in fixed)
                 row["best"] = max(1.0, best_fixed)
                 row["auto/best"] = row["auto"] / row["best"]
+                fx = np.stack([np.median(ratios[f"fixed {k}"][boot], axis=1) for k in fixed])
+                b_auto = np.median(ratios["auto"][boot], axis=1)
+                b_ab = b_auto / np.maximum(1.0, fx.max(axis=0))
+                row["auto/best 90%"] = [float(x) for x in np.percentile(b_ab, [5, 95])]
+                row["auto 90%"] = [float(x) for x in np.percentile(b_auto, [5, 95])]
                 # the pass of a block of l drafts as measured (by_n), verifying all l of them
                 lim = [(expected_tau(P, ell) * curve[(R - 1)] / ((by_n[ell - 1] if ell else 0.0)
                         + curve[min(len(curve), R * (ell + 1)) - 1]), ell) for ell in range(0, 8)]
@@ -203,14 +228,17 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log):
 
 
 def print_table(res, fixed, log):
-    hdr = ["R", "P", "no draft tok/s"] + [f"n={k}" for k in fixed] + ["auto", "auto tau", "auto/best", "limit (l)"]
+    others = [k for k in res["cells"][0] if k.startswith("auto m=") and " " not in k[7:]]
+    hdr = ["R", "P", "no draft tok/s"] + [f"n={k}" for k in fixed] + ["auto", "auto 90%", "auto tau", "auto/best",
+                                                                       "auto/best 90%"] + others + ["limit (l)"]
     log("\n" + res["target"] + ": speedup over no draft (median tok/s ratio)")
     log(" | ".join(hdr))
     for c in res["cells"]:
         log(" | ".join([str(c["R"]), f"{c['P']:.2f}", f"{c['none_tps']:.1f}"]
                        + [f"{c[f'fixed {k}']:.2f}" for k in fixed]
-                       + [f"{c['auto']:.2f}", f"{c['auto tau']:.2f}", f"{c['auto/best']:.3f}",
-                          f"{c['limit']:.2f} ({c['limit_l']})"]))
+                       + [f"{c['auto']:.2f}", "{:.2f}-{:.2f}".format(*c["auto 90%"]), f"{c['auto tau']:.2f}",
+                          f"{c['auto/best']:.3f}", "{:.2f}-{:.2f}".format(*c["auto/best 90%"])]
+                       + [f"{c[o]:.2f}" for o in others] + [f"{c['limit']:.2f} ({c['limit_l']})"]))
 
 
 def plot(results, fixed, path):
@@ -226,7 +254,9 @@ def plot(results, fixed, path):
             if not cells:
                 continue
             P = [c["P"] for c in cells]
-            ax.plot(P, [c["auto"] for c in cells], "o" + style, color="C0", label=f"auto R={R}")
+            lo_hi = np.array([c.get("auto 90%", [c["auto"]] * 2) for c in cells]).T
+            ax.errorbar(P, [c["auto"] for c in cells], yerr=np.abs(lo_hi - [c["auto"] for c in cells]),
+                        fmt="o" + style, color="C0", capsize=2, label=f"auto R={R} (90%)")
             ax.plot(P, [max(c[f"fixed {k}"] for k in fixed) for c in cells], "s" + style, color="C1",
                     label=f"best fixed R={R}")
             ax.plot(P, [c["fixed 3"] for c in cells], "^" + style, color="C2", label=f"llama.cpp n=3 R={R}")
@@ -248,6 +278,8 @@ def main():
     ap.add_argument("--rs", default="1,4")
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (each rotated again)")
+    ap.add_argument("--auto-margins", default="", help="also run auto with these draft margins (A/B)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
@@ -263,7 +295,8 @@ def main():
     for spec in a.targets.split(","):
         path = default_target() if spec == "smollm2" else spec
         t0 = time.time()
-        res = sweep_target(path, Ps, fixed, rs, a.n, a.prompts, a.threads, log)
+        margins = [float(x) for x in a.auto_margins.split(",") if x]
+        res = sweep_target(path, Ps, fixed, rs, a.n, a.prompts, a.threads, log, repeats=a.repeats, margins=margins)
         print_table(res, fixed, log)
         log(f"({time.time() - t0:.0f} s)")
         results.append(res)

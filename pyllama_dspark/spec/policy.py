@@ -39,6 +39,11 @@ DRAFT_FIXED_SHARE = 0.05
 #: until known; with a memory of earlier runs (n_k large) the margin is gone.
 OPTIMISM = 0.5
 ACC_VAR_FLOOR = 0.05
+#: Drafting must be planned to beat plain decoding by this share before it is switched on: the plan's
+#: cycle costs and acceptance are measured to within a few percent, and a switch pays what the plan
+#: leaves out (the draft catching up on the rows decoded plain, a cold pass, the batch's tail), so a
+#: gain under the model's own error is not worth taking; given up, it costs at most this share.
+DRAFT_MARGIN = 0.03
 
 
 @dataclass
@@ -52,6 +57,7 @@ class VerifyPolicy:
     ema: float = 0.1                                 # running conditional acceptance per position
     probe_every: int = 16                            # re-draft now and then when drafting was skipped
     probe_budget: float = 0.01                       # at most this share of the plain decoding time
+    draft_margin: float = DRAFT_MARGIN               # the planned gain drafting needs over plain decoding
     _acc: np.ndarray = field(default=None, repr=False)
     _skipped: int = 0
     _draft_ms: dict = field(default_factory=dict, repr=False)   # measured draft pass ms per R (EMA)
@@ -88,6 +94,8 @@ class VerifyPolicy:
             raise ValueError(f"the {self.mode} schedule needs a cost profile")
         if not 0.0 <= self.conf_min <= 1.0 or not 0.0 <= self.p_survival_min <= 1.0:
             raise ValueError("conf_min and p_survival_min must be in [0, 1]")
+        if not 0.0 <= self.draft_margin < 1.0:
+            raise ValueError("draft_margin must be in [0, 1)")
         # optimistic start: drafting is tried until evidence says it does not pay (the prior weighs
         # one observation, so a few cycles correct it)
         self._acc = np.full(self.gamma, 0.9)
@@ -271,8 +279,9 @@ class VerifyPolicy:
         for n in range(1, n_max + 1):
             dms = self.draft_estimate(r, n) if known else c.t_draft(r) * self.block_factor(n)
             th = schedule([surv[:n]] * r, c, drafted=True, draft_ms=dms).throughput
-            # drafting must beat plain decoding; among blocks, near-ties (0.5%) go to the longer one
-            if (th > best[1]) if best[0] == 0 else (th >= best[1] * 0.995):
+            # drafting must beat plain decoding by the margin; among blocks, near-ties (0.5%) go to
+            # the longer one
+            if (th > best[1] * (1.0 + self.draft_margin)) if best[0] == 0 else (th >= best[1] * 0.995):
                 best = (n, max(th, best[1]) if best[0] else th)
         self._plans[(r, n_max)] = (self._version, best)
         return best
