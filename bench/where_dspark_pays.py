@@ -12,8 +12,8 @@ discarded; no confidences). Configurations: no draft, fixed blocks n (``--schedu
 n = 3 is llama.cpp's default ``--spec-draft-n-max``, n = 7 the full block) and auto (the default
 schedule, one policy per (P, R) kept across the prompts as a server or the memory keeps it). R = 1
 (one sequence) and R = 4 (four sequences decoded together), T = 0. Every prompt runs every
-configuration back to back in an order rotated per prompt, ``--repeats`` times (each pass rotated
-again); a sample is one run's tok/s over the no-draft run of the same prompt and pass (paired), and
+configuration back to back in a random order drawn per prompt and pass (``--repeats`` passes); a
+sample is one run's tok/s over the no-draft run of the same prompt and pass (paired), and
 the table gives the median over the samples. A second no-draft run per sample (the control) measures
 what the machine's noise alone does to such a ratio, and each cell's auto / best comes with a
 bootstrap 90% interval over the samples (best = the highest of no draft and every fixed n, whose
@@ -154,12 +154,14 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, mar
                     dec.step()
             kmap = dict(configs)
             for unit in range(len(prompts) * repeats):
-                i, rep = unit % len(prompts), unit // len(prompts)
+                i = unit % len(prompts)
                 batch = [prompts[(i + j) % len(prompts)] for j in range(R)]
                 brefs = batch_refs[i]
-                shift = (i + rep * (len(runs) // 2 + 1)) % len(runs)
-                rot = runs[shift:] + runs[:shift]
-                for name, P in rot:
+                # a fresh random order per sample: a run is slower after some configurations than
+                # after others (the draft's pages, the caches), and a fixed order would charge that
+                # to whichever configuration follows them, the no-draft baseline included
+                order = np.random.default_rng(1000 * R + unit).permutation(len(runs))
+                for name, P in [runs[k] for k in order]:
                     if name in ("none", "control"):
                         prop, pol, nm = None, None, 1
                     else:
@@ -227,21 +229,45 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, mar
     return out
 
 
-def print_table(res, fixed, log):
-    others = [k for k in res["cells"][0] if k.startswith("auto m=") and " " not in k[7:]]
+def print_table(res, log):
+    cells = res["cells"]
+    fixed = sorted({k for c in cells for k in fixed_of(c)})
+    others = sorted({k for c in cells for k in c if k.startswith("auto m=") and " " not in k[7:]})
+
+    def num(c, key, fmt="{:.2f}"):
+        v = c.get(key)
+        return "-" if v is None else fmt.format(*v) if isinstance(v, list) else fmt.format(v)
     hdr = ["R", "P", "no draft tok/s"] + [f"n={k}" for k in fixed] + ["auto", "auto 90%", "auto tau", "auto/best",
                                                                        "auto/best 90%"] + others + ["limit (l)"]
     log("\n" + res["target"] + ": speedup over no draft (median tok/s ratio)")
     log(" | ".join(hdr))
-    for c in res["cells"]:
+    for c in cells:
         log(" | ".join([str(c["R"]), f"{c['P']:.2f}", f"{c['none_tps']:.1f}"]
-                       + [f"{c[f'fixed {k}']:.2f}" for k in fixed]
-                       + [f"{c['auto']:.2f}", "{:.2f}-{:.2f}".format(*c["auto 90%"]), f"{c['auto tau']:.2f}",
-                          f"{c['auto/best']:.3f}", "{:.2f}-{:.2f}".format(*c["auto/best 90%"])]
-                       + [f"{c[o]:.2f}" for o in others] + [f"{c['limit']:.2f} ({c['limit_l']})"]))
+                       + [num(c, f"fixed {k}") for k in fixed]
+                       + [num(c, "auto"), num(c, "auto 90%", "{:.2f}-{:.2f}"), num(c, "auto tau"),
+                          num(c, "auto/best", "{:.3f}"), num(c, "auto/best 90%", "{:.2f}-{:.2f}")]
+                       + [num(c, o) for o in others] + [f"{c['limit']:.2f} ({c['limit_l']})"]))
 
 
-def plot(results, fixed, path):
+def fixed_of(cell) -> list:
+    """The fixed blocks a cell was run with (``fixed k`` keys)."""
+    return sorted(int(k[6:]) for k in cell if k.startswith("fixed ") and k[6:].isdigit())
+
+
+def merge(results) -> list:
+    """Runs of the same target (saved by --json, say R = 1 and R = 4 apart) as one result each."""
+    out = {}
+    for res in results:
+        have = out.setdefault(res["target"], dict(res, cells=[]))
+        have["cells"] += res["cells"]
+        for k in ("draft_ms", "control"):
+            have.setdefault(k, {}).update(res.get(k, {}))
+    for res in out.values():
+        res["cells"].sort(key=lambda c: (c["R"], c["P"]))
+    return list(out.values())
+
+
+def plot(results, path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,10 +283,11 @@ def plot(results, fixed, path):
             lo_hi = np.array([c.get("auto 90%", [c["auto"]] * 2) for c in cells]).T
             ax.errorbar(P, [c["auto"] for c in cells], yerr=np.abs(lo_hi - [c["auto"] for c in cells]),
                         fmt="o" + style, color="C0", capsize=2, label=f"auto R={R} (90%)")
-            ax.plot(P, [max(c[f"fixed {k}"] for k in fixed) for c in cells], "s" + style, color="C1",
+            ax.plot(P, [max(c[f"fixed {k}"] for k in fixed_of(c)) for c in cells], "s" + style, color="C1",
                     label=f"best fixed R={R}")
-            ax.plot(P, [c["fixed 3"] for c in cells], "^" + style, color="C2", label=f"llama.cpp n=3 R={R}")
-            ax.plot(P, [c["fixed 7"] for c in cells], "v" + style, color="C3", label=f"full block 7 R={R}")
+            for k, mark, color, what in ((3, "^", "C2", "llama.cpp n=3"), (7, "v", "C3", "full block 7")):
+                if all(f"fixed {k}" in c for c in cells):
+                    ax.plot(P, [c[f"fixed {k}"] for c in cells], mark + style, color=color, label=f"{what} R={R}")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_title(res["target"], fontsize=9)
         ax.set_xlabel("oracle P (block right)")
@@ -283,6 +310,7 @@ def main():
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
+    ap.add_argument("--from-json", default=None, help="print and plot saved runs (comma-separated --json files)")
     a = ap.parse_args()
     Ps = [float(x) for x in a.p.split(",")]
     fixed = [int(x) for x in a.fixed.split(",")]
@@ -292,19 +320,30 @@ def main():
         print(m, flush=True)
 
     results = []
+    if a.from_json:
+        for f in a.from_json.split(","):
+            with open(f) as fh:
+                results += json.load(fh)
+        results = merge(results)
+        for res in results:
+            print_table(res, log)
+        if a.png:
+            plot(results, a.png)
+            log(f"wrote {a.png}")
+        return 0
     for spec in a.targets.split(","):
         path = default_target() if spec == "smollm2" else spec
         t0 = time.time()
         margins = [float(x) for x in a.auto_margins.split(",") if x]
         res = sweep_target(path, Ps, fixed, rs, a.n, a.prompts, a.threads, log, repeats=a.repeats, margins=margins)
-        print_table(res, fixed, log)
+        print_table(res, log)
         log(f"({time.time() - t0:.0f} s)")
         results.append(res)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(results, f, indent=1)
     if a.png:
-        plot(results, fixed, a.png)
+        plot(results, a.png)
         log(f"wrote {a.png}")
 
 
