@@ -17,7 +17,8 @@ sample is one run's tok/s over the no-draft run of the same prompt and pass (pai
 the table gives the median over the samples. A second no-draft run per sample (the control) measures
 what the machine's noise alone does to such a ratio, and each cell's auto / best comes with a
 bootstrap 90% interval over the samples (best = the highest of no draft and every fixed n, whose
-maximum over noisy columns reads high by itself). Also printed: the target's cost
+maximum over noisy columns reads high by itself) and held out (the best chosen on half the samples,
+measured on the other half, both ways). Also printed: the target's cost
 curve t(k)/t(1), the draft pass time, and for each (target, R, P) auto against the best of (no
 draft, every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft(l) + t(l + 1)),
 t_draft(l) the measured pass of a block of l drafts.
@@ -221,12 +222,29 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, mar
                 b_ab = b_auto / np.maximum(1.0, fx.max(axis=0))
                 row["auto/best 90%"] = [float(x) for x in np.percentile(b_ab, [5, 95])]
                 row["auto 90%"] = [float(x) for x in np.percentile(b_auto, [5, 95])]
+                row["auto/best held-out"] = held_out(ratios, fixed)
+                row["ratios"] = {name: ratios[name].round(4).tolist() for name in ratios}
                 # the pass of a block of l drafts as measured (by_n), verifying all l of them
                 lim = [(expected_tau(P, ell) * curve[(R - 1)] / ((by_n[ell - 1] if ell else 0.0)
                         + curve[min(len(curve), R * (ell + 1)) - 1]), ell) for ell in range(0, 8)]
                 row["limit"], row["limit_l"] = max(lim)
                 out["cells"].append(row)
     return out
+
+
+def held_out(ratios: dict, fixed) -> float:
+    """auto over the best of (no draft, every fixed n), the best chosen on one half of the samples
+    and measured on the other, both ways, averaged: chosen and measured on the same samples, the
+    highest of several noisy columns reads high by itself."""
+    idx = np.arange(ratios["auto"].size)
+    out = []
+    for pick, meas in ((idx % 2 == 0, idx % 2 == 1), (idx % 2 == 1, idx % 2 == 0)):
+        if not pick.any() or not meas.any():
+            continue
+        k = max([0] + list(fixed), key=lambda k: np.median(ratios[f"fixed {k}"][pick]) if k else 1.0)
+        best = float(np.median(ratios[f"fixed {k}"][meas])) if k else 1.0
+        out.append(float(np.median(ratios["auto"][meas])) / best)
+    return float(np.mean(out)) if out else float("nan")
 
 
 def print_table(res, log):
@@ -238,14 +256,15 @@ def print_table(res, log):
         v = c.get(key)
         return "-" if v is None else fmt.format(*v) if isinstance(v, list) else fmt.format(v)
     hdr = ["R", "P", "no draft tok/s"] + [f"n={k}" for k in fixed] + ["auto", "auto 90%", "auto tau", "auto/best",
-                                                                       "auto/best 90%"] + others + ["limit (l)"]
+                                                                       "auto/best 90%", "held-out"] + others + ["limit (l)"]
     log("\n" + res["target"] + ": speedup over no draft (median tok/s ratio)")
     log(" | ".join(hdr))
     for c in cells:
         log(" | ".join([str(c["R"]), f"{c['P']:.2f}", f"{c['none_tps']:.1f}"]
                        + [num(c, f"fixed {k}") for k in fixed]
                        + [num(c, "auto"), num(c, "auto 90%", "{:.2f}-{:.2f}"), num(c, "auto tau"),
-                          num(c, "auto/best", "{:.3f}"), num(c, "auto/best 90%", "{:.2f}-{:.2f}")]
+                          num(c, "auto/best", "{:.3f}"), num(c, "auto/best 90%", "{:.2f}-{:.2f}"),
+                          num(c, "auto/best held-out", "{:.3f}")]
                        + [num(c, o) for o in others] + [f"{c['limit']:.2f} ({c['limit_l']})"]))
 
 
