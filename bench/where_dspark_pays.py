@@ -2,7 +2,8 @@
 
     python bench/where_dspark_pays.py --targets smollm2,/tmp/targets/qwen3-0.6b-q4_0.gguf,... \\
         [--p 0.3,0.5,0.7,0.8,0.9,0.95] [--fixed 1,2,3,5,7] [--rs 1,4] [-n 32] [--prompts 3] \\
-        [--repeats 1] [--json out.json] [--png out.png]
+        [--repeats 1] [--auto-margins 0] [--json out.json] [--png out.png]
+    python bench/where_dspark_pays.py --from-json a.json,b.json [--png out.png]
 
 For every target: the proposer is ``-md oracle:P``
 (:class:`~pyllama_dspark.spec.oracle.OracleDraft`: the target's greedy continuation, the full block
@@ -324,7 +325,7 @@ def main():
     ap.add_argument("--rs", default="1,4")
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (each rotated again)")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (each run order drawn anew)")
     ap.add_argument("--auto-margins", default="", help="also run auto with these draft margins (A/B)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
