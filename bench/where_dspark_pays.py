@@ -2,7 +2,7 @@
 
     python bench/where_dspark_pays.py --targets smollm2,/tmp/targets/qwen3-0.6b-q4_0.gguf,... \\
         [--p 0.3,0.5,0.7,0.8,0.9,0.95] [--fixed 1,2,3,5,7] [--rs 1,4] [-n 32] [--prompts 3] \\
-        [--repeats 1] [--auto-margins 0] [--json out.json] [--png out.png]
+        [--repeats 1] [--auto-margins 0] [--auto-bands 0] [--json out.json] [--png out.png]
     python bench/where_dspark_pays.py --from-json a.json,b.json [--png out.png]
 
 For every target: the proposer is ``-md oracle:P``
@@ -83,7 +83,7 @@ def draft_pass_ms(t, d, prompt, R: int, reps: int = 12, n: int = 7) -> float:
     return float(np.median(times))
 
 
-def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, margins=()):
+def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, margins=(), bands=()):
     draft = oracle_draft_for(path)
     items = load_prompts((), limit_per_file=1)[:n_prompts]
     out = {"target": os.path.basename(path), "draft": os.path.basename(draft), "cells": []}
@@ -119,8 +119,10 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, mar
                 + " ms (n = 1 is " + f"{by_n[0] / tdraft:.2f} of n = 7)")
             out.setdefault("draft_ms", {})[str(R)] = by_n
             inner = DraftModelProposer(d)
-            # auto as shipped, and auto with other draft margins side by side (an A/B in one run)
-            autos = {"auto": None, **{f"auto m={m:g}": m for m in margins}}
+            # auto as shipped, and auto with other draft margins or explore bands side by side (an
+            # A/B in one run)
+            autos = {"auto": {}, **{f"auto m={m:g}": {"draft_margin": m} for m in margins},
+                     **{f"auto b={b:g}": {"explore_band": b} for b in bands}}
             configs = [("none", 0)] + [(f"fixed {k}", k) for k in fixed] + [(a, 7) for a in autos]
             results = {("none", None): [], ("control", None): []}
             policies = {}
@@ -128,10 +130,10 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, mar
                 for name, k in configs[1:]:
                     results[(name, P)] = []
                 oracle = OracleDraft(t, inner, P)
-                for a, m in autos.items():
+                for a, overrides in autos.items():
                     policies[(a, P)] = make_policy(t, d, "auto", proposer=oracle, gamma=7, remember=False)
-                    if m is not None:
-                        policies[(a, P)].draft_margin = m
+                    for attr, v in overrides.items():
+                        setattr(policies[(a, P)], attr, v)
             runs = [("none", None), ("control", None)] + [(name, P) for P in Ps for name, _ in configs[1:]]
             diverged = [0]
             prompt_inject = [0.0]
@@ -251,7 +253,7 @@ def held_out(ratios: dict, fixed) -> float:
 def print_table(res, log):
     cells = res["cells"]
     fixed = sorted({k for c in cells for k in fixed_of(c)})
-    others = sorted({k for c in cells for k in c if k.startswith("auto m=") and " " not in k[7:]})
+    others = sorted({k for c in cells for k in c if k[:7] in ("auto m=", "auto b=") and " " not in k[7:]})
 
     def num(c, key, fmt="{:.2f}"):
         v = c.get(key)
@@ -327,6 +329,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (each run order drawn anew)")
     ap.add_argument("--auto-margins", default="", help="also run auto with these draft margins (A/B)")
+    ap.add_argument("--auto-bands", default="", help="also run auto with these explore bands (A/B; 0: no exploring)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
@@ -355,7 +358,9 @@ def main():
         path = default_target() if spec == "smollm2" else spec
         t0 = time.time()
         margins = [float(x) for x in a.auto_margins.split(",") if x]
-        res = sweep_target(path, Ps, fixed, rs, a.n, a.prompts, a.threads, log, repeats=a.repeats, margins=margins)
+        bands = [float(x) for x in a.auto_bands.split(",") if x]
+        res = sweep_target(path, Ps, fixed, rs, a.n, a.prompts, a.threads, log, repeats=a.repeats, margins=margins,
+                           bands=bands)
         print_table(res, log)
         log(f"({time.time() - t0:.0f} s)")
         results.append(res)

@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from pyllama_dspark.spec import policy_memory
 from pyllama_dspark.spec.schedule import CostModel, apply_sts, schedule, static_cut, survival, survival_cut
 
 MODES = ("off", "static", "survival", "profiled", "auto")
@@ -44,6 +45,15 @@ ACC_VAR_FLOOR = 0.05
 #: leaves out (the draft catching up on the rows decoded plain, a cold pass, the batch's tail), so a
 #: gain under the model's own error is not worth taking; given up, it costs at most this share.
 DRAFT_MARGIN = 0.03
+#: The plan's cost of a cycle it never ran is a guess: the one-sequence curve plus what the cycles it
+#: did run cost over it.  With R = 4 sequences on SmolLM2 that guess was 0.79-1.45 of what such a
+#: cycle measured, enough to pick blocks of 7 where blocks of 3 ran 1.1x faster.  So, while drafting,
+#: a block the plan puts within EXPLORE_BAND of its best is tried until its cycle was measured
+#: EXPLORE_SAMPLES times (its draft pass is measured with it), the most promising first; the plan
+#: then reads what it measured.  The cost is bounded: a handful of cycles per block, kept in the
+#: memory with the cycle costs, so a later process does not try them again.
+EXPLORE_BAND = 0.15
+EXPLORE_SAMPLES = 3
 
 
 @dataclass
@@ -58,6 +68,7 @@ class VerifyPolicy:
     probe_every: int = 16                            # re-draft now and then when drafting was skipped
     probe_budget: float = 0.01                       # at most this share of the plain decoding time
     draft_margin: float = DRAFT_MARGIN               # the planned gain drafting needs over plain decoding
+    explore_band: float = EXPLORE_BAND               # blocks planned this close to the best are tried
     _acc: np.ndarray = field(default=None, repr=False)
     _skipped: int = 0
     _draft_ms: dict = field(default_factory=dict, repr=False)   # measured draft pass ms per R (EMA)
@@ -83,7 +94,8 @@ class VerifyPolicy:
     _restored_draft: bool = False  # draft_ms came from an earlier process (its first pass here is cold)
     _draft_passes: int = 0         # draft passes timed in this process
     _cold_ms: Optional[float] = None  # a process's first pass over a warm one (kept in the memory)
-    _plans: dict = field(default_factory=dict, repr=False)  # (R, n_max) -> (version, (block, throughput))
+    _plans: dict = field(default_factory=dict, repr=False)  # (R, n_max) -> (version, best, [(n, theta, rows)])
+    _tried: dict = field(default_factory=dict, repr=False)  # (R, block) -> cycles it was tried to measure it
     _conf_seen: bool = False       # the proposals carry confidences (verification may go past the plan)
     memory_path: Optional[str] = field(default=None, repr=False)   # where .policy_memory keeps what it learned
 
@@ -96,6 +108,8 @@ class VerifyPolicy:
             raise ValueError("conf_min and p_survival_min must be in [0, 1]")
         if not 0.0 <= self.draft_margin < 1.0:
             raise ValueError("draft_margin must be in [0, 1)")
+        if not 0.0 <= self.explore_band < 1.0:
+            raise ValueError("explore_band must be in [0, 1)")
         # optimistic start: drafting is tried until evidence says it does not pay (the prior weighs
         # one observation, so a few cycles correct it)
         self._acc = np.full(self.gamma, 0.9)
@@ -268,23 +282,47 @@ class VerifyPolicy:
         """(block, throughput): the draft block n <= n_max whose expected schedule (running
         acceptance, the cost curve, the pass of an n-draft block) gives the most tokens per second,
         and that throughput; block 0 when plain decoding wins.  Past statistics only."""
+        return self._planned(n_requests, n_max)[0]
+
+    def _planned(self, n_requests: int, n_max: int):
+        """(the plan, [(block, its throughput, its rows) for every block]), cached per version."""
         r, n_max = max(1, n_requests), max(1, min(int(n_max), self.gamma))
         hit = self._plans.get((r, n_max))
         if hit is not None and hit[0] == self._version:
-            return hit[1]
+            return hit[1:]
         c = self.cost_for(r)
         best = (0, r / ((c.t_verify(r) + c.overhead_ms) / 1e3))
         surv = survival(self.hopeful()[:n_max])
         known = self.draft_estimate(r) is not None
+        blocks = []
         for n in range(1, n_max + 1):
             dms = self.draft_estimate(r, n) if known else c.t_draft(r) * self.block_factor(n)
-            th = schedule([surv[:n]] * r, c, drafted=True, draft_ms=dms).throughput
+            sc = schedule([surv[:n]] * r, c, drafted=True, draft_ms=dms)
+            th = sc.throughput
+            blocks.append((n, th, sc.batch))
             # drafting must beat plain decoding by the margin; among blocks, near-ties (0.5%) go to
             # the longer one
             if (th > best[1] * (1.0 + self.draft_margin)) if best[0] == 0 else (th >= best[1] * 0.995):
                 best = (n, max(th, best[1]) if best[0] else th)
-        self._plans[(r, n_max)] = (self._version, best)
-        return best
+        self._plans[(r, n_max)] = (self._version, best, blocks)
+        return best, blocks
+
+    def _explore(self, n_requests: int, n_max: int, n: int) -> int:
+        """The block to draft while drafting pays: the plan's ``n``, or a block planned within
+        explore_band of it whose cycle cost is still the curve's guess (see EXPLORE_BAND)."""
+        r = max(1, n_requests)
+        if not self.learn_costs or self.explore_band <= 0 or self.cost_for(r) is self.cost:
+            return n   # nothing measured at R yet: every block is the curve's guess alike
+        (_, top), blocks = self._planned(r, n_max)
+        own = blocks[n - 1][2]   # the rows the plan verifies: measured by running it
+        for m, th, rows in sorted(blocks, key=lambda b: -b[1]):
+            tried = self._tried.get((r, m), 0)
+            # tries are capped too: a cycle need not run the rows planned (a sequence near its end)
+            if rows != own and th >= (1.0 - self.explore_band) * top and tried < 2 * EXPLORE_SAMPLES and \
+                    self._cycle_ms.get((r, rows), (None, 0))[1] < EXPLORE_SAMPLES:
+                self._tried[(r, m)] = tried + 1
+                return m
+        return n
 
     def draft_length(self, n_requests: int, n_max: int) -> int:
         """How many drafts to ask the drafter for this step: the cost-driven modes ask for the
@@ -295,6 +333,7 @@ class VerifyPolicy:
         n = self._plan(n_requests, n_max)[0]
         if n == 0:
             return n_max   # a pass forced to learn the draft's cost: the full block
+        n = self._explore(n_requests, n_max, n)
         return min(n_max, n + 1 if self._conf_seen else n)
 
     # ---- before drafting ----------------------------------------------------------------------
@@ -426,52 +465,13 @@ class VerifyPolicy:
 
     # ---- what it learned, across processes (see .policy_memory) -----------------------------
     def learned(self) -> dict:
-        """What the running estimates hold (JSON-able): acceptance per position and its weight,
-        the confidence correction's sums, the measured draft pass ms per R, what a cold first pass
-        costs more, the probe back-off and the plain cycles since the last probe (probes are spaced
-        across processes, not restarted in each)."""
-        out = dict(gamma=self.gamma, acc=self._acc.tolist(), n=self._n.tolist(), hit_sum=self._hit_sum.tolist(),
-                   conf_sum=self._conf_sum.tolist(), draft_ms={str(r): v for r, v in self._draft_ms.items()},
-                   draft_ms_n={f"{r}:{n}": v for (r, n), v in self._draft_ms_n.items()},
-                   probe_gap=self._probe_gap, skipped=self._skipped, cycles=self._cycles)
-        if self._cold_ms is not None:
-            out["cold_ms"] = self._cold_ms
-        return out
+        """What the running estimates hold, JSON-able (:func:`.policy_memory.state_of`)."""
+        return policy_memory.state_of(self)
 
     def restore(self, state: dict) -> bool:
         """Start from what an earlier process learned (:meth:`learned`) instead of the optimistic
         prior; False (nothing changed) when it does not fit this policy."""
-        try:
-            if int(state["gamma"]) != self.gamma:
-                return False
-            arrays = [np.asarray(state[k], dtype=np.float64) for k in ("acc", "n", "hit_sum", "conf_sum")]
-            draft_ms = {int(r): float(v) for r, v in dict(state.get("draft_ms") or {}).items()}
-            draft_ms_n = {tuple(int(x) for x in k.split(":")): float(v)
-                          for k, v in dict(state.get("draft_ms_n") or {}).items()}
-            gap = int(state.get("probe_gap", self.probe_every))
-            skipped = int(state.get("skipped", 0))
-            cold = state.get("cold_ms")
-            cold = None if cold is None else float(cold)
-        except (KeyError, TypeError, ValueError):
-            return False
-        if any(a.shape != (self.gamma,) or not np.all(np.isfinite(a)) for a in arrays) or \
-                not all(r > 0 and np.isfinite(v) and v >= 0 for r, v in draft_ms.items()) or \
-                not all(len(k) == 2 and k[0] > 0 and 1 <= k[1] <= self.gamma and np.isfinite(v) and v >= 0
-                        for k, v in draft_ms_n.items()) or \
-                (cold is not None and not (np.isfinite(cold) and cold >= 0)):
-            return False
-        acc, n, hit, conf = arrays
-        self._acc = np.clip(acc, ACC_FLOOR, 1.0)
-        self._n, self._hit_sum, self._conf_sum = np.maximum(n, 0), np.maximum(hit, 0), np.maximum(conf, 0)
-        if self.learn_costs:
-            self._draft_ms = draft_ms
-            self._draft_ms_n = {k: v for k, v in draft_ms_n.items() if k[0] in draft_ms}
-            self._restored_draft = bool(draft_ms)
-            self._cold_ms = cold
-        self._probe_gap = max(1, min(gap, 16 * max(1, self.probe_every)))
-        self._skipped = max(0, min(skipped, 10 ** 9))
-        self._version += 1
-        return True
+        return policy_memory.load_state(self, state, ACC_FLOOR)
 
     # ---- telling the user ---------------------------------------------------------------------
     def summary(self, verify_lengths: Optional[Sequence[int]] = None) -> str:

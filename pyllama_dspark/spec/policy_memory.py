@@ -3,8 +3,9 @@
 ``pyllama-dspark run`` is one process per prompt.  Without a memory every process would start from
 the optimistic prior (acceptance 0.9 at every position), pay a cold draft pass and a probe or two,
 and learn again that this drafter does not pay on this machine.  So the learned state of a
-cost-driven policy (:meth:`~.policy.VerifyPolicy.learned`: acceptance per position and its weight,
-the confidence correction, the draft pass time per R, the probe back-off) is written at close into
+cost-driven policy (:func:`state_of`: acceptance per position and its weight, the confidence
+correction, the draft pass time per R and block, the measured cycle costs per (R, rows), the probe
+back-off) is written at close into
 the cache beside the cost curve, and the next process with the same target, settings, draft,
 proposer, block and sampling regime starts from it.
 
@@ -20,6 +21,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Optional
+
+import numpy as np
 
 from pyllama_dspark.spec import costprofile
 
@@ -76,4 +79,83 @@ def save(policy) -> bool:
         os.replace(tmp, p)
     except OSError:   # a read-only cache: the next process learns again, nothing worse
         return False
+    return True
+
+
+#: A restored running mean counts as at most this many samples (it keeps following this process).
+RESTORED_SAMPLES = 10
+
+
+def state_of(p) -> dict:
+    """What policy ``p``'s running estimates hold (JSON-able): acceptance per position and its
+    weight, the confidence correction's sums, the measured draft pass ms per R and per (R, block),
+    the measured cycle costs per (R, rows) and over the curve per (R, drafting?) with their sample
+    counts, what a cold first pass costs more, the probe back-off and the plain cycles since the
+    last probe (probes are spaced across processes, not restarted in each)."""
+    out = dict(gamma=p.gamma, acc=p._acc.tolist(), n=p._n.tolist(), hit_sum=p._hit_sum.tolist(),
+               conf_sum=p._conf_sum.tolist(), draft_ms={str(r): v for r, v in p._draft_ms.items()},
+               draft_ms_n={f"{r}:{n}": v for (r, n), v in p._draft_ms_n.items()},
+               cycle_ms={f"{r}:{k}": list(v) for (r, k), v in p._cycle_ms.items()},
+               extra_ms={f"{r}:{int(d)}": list(v) for (r, d), v in p._extra_ms.items()},
+               probe_gap=p._probe_gap, skipped=p._skipped, cycles=p._cycles)
+    if p._cold_ms is not None:
+        out["cold_ms"] = p._cold_ms
+    return out
+
+
+def _pairs(raw, check) -> dict:
+    """{"a:b": [mean, samples]} -> {(a, b): (mean, samples)}; ValueError on a key or value that
+    does not fit."""
+    out = {}
+    for k, v in dict(raw or {}).items():
+        key = tuple(int(x) for x in k.split(":"))
+        mean, seen = float(v[0]), int(v[1])
+        if len(key) != 2 or not check(key) or not np.isfinite(mean) or seen < 1:
+            raise ValueError(k)
+        out[key] = (mean, min(seen, RESTORED_SAMPLES))
+    return out
+
+
+def load_state(p, state: dict, acc_floor: float) -> bool:
+    """Start policy ``p`` from :func:`state_of` of an earlier process instead of the optimistic
+    prior (acceptance floored at ``acc_floor``); False (nothing changed) when it does not fit ``p``."""
+    try:
+        if int(state["gamma"]) != p.gamma:
+            return False
+        arrays = [np.asarray(state[k], dtype=np.float64) for k in ("acc", "n", "hit_sum", "conf_sum")]
+        draft_ms = {int(r): float(v) for r, v in dict(state.get("draft_ms") or {}).items()}
+        draft_ms_n = {tuple(int(x) for x in k.split(":")): float(v)
+                      for k, v in dict(state.get("draft_ms_n") or {}).items()}
+        cycle_ms = _pairs(state.get("cycle_ms"), lambda k: 0 < k[0] <= k[1])
+        extra_ms = _pairs(state.get("extra_ms"), lambda k: k[0] > 0 and k[1] in (0, 1))
+        gap = int(state.get("probe_gap", p.probe_every))
+        skipped = int(state.get("skipped", 0))
+        cold = state.get("cold_ms")
+        cold = None if cold is None else float(cold)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return False
+    if any(a.shape != (p.gamma,) or not np.all(np.isfinite(a)) for a in arrays) or \
+            not all(r > 0 and np.isfinite(v) and v >= 0 for r, v in draft_ms.items()) or \
+            not all(len(k) == 2 and k[0] > 0 and 1 <= k[1] <= p.gamma and np.isfinite(v) and v >= 0
+                    for k, v in draft_ms_n.items()) or \
+            not all(v[0] >= 0 for v in cycle_ms.values()) or \
+            (cold is not None and not (np.isfinite(cold) and cold >= 0)):
+        return False
+    acc, n, hit, conf = arrays
+    p._acc = np.clip(acc, acc_floor, 1.0)
+    p._n, p._hit_sum, p._conf_sum = np.maximum(n, 0), np.maximum(hit, 0), np.maximum(conf, 0)
+    if p.learn_costs:
+        p._draft_ms = draft_ms
+        p._draft_ms_n = {k: v for k, v in draft_ms_n.items() if k[0] in draft_ms}
+        p._restored_draft = bool(draft_ms)
+        p._cold_ms = cold
+        if p.uses_cost:
+            # the cycle costs as measured, and what the plan reads of them (cost_for rebuilds)
+            p._cycle_ms, p._cycle_used = dict(cycle_ms), {k: v[0] for k, v in cycle_ms.items()}
+            p._extra_ms = {(r, bool(d)): v for (r, d), v in extra_ms.items()}
+            p._extra_used = {k: v[0] for k, v in p._extra_ms.items()}
+            p._cost_version += 1
+    p._probe_gap = max(1, min(gap, 16 * max(1, p.probe_every)))
+    p._skipped = max(0, min(skipped, 10 ** 9))
+    p._version += 1
     return True
