@@ -23,6 +23,8 @@ measured on the other half, both ways). Also printed: the target's cost
 curve t(k)/t(1), the draft pass time, and for each (target, R, P) auto against the best of (no
 draft, every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft(l) + t(l + 1)),
 t_draft(l) the measured pass of a block of l drafts.
+``--auto-margins`` and ``--auto-bands`` add auto with another draft margin or explore band (0: no
+block tried off the plan) as more columns of the same run: an A/B measured side by side.
 
 Run it on an idle machine: llama.cpp's threads spin-wait.
 """
