@@ -108,11 +108,13 @@ def test_engine_with_a_draft(target_path, dspark_draft_path, cases, penalize_pro
 
 def test_engine_oracle_partial_acceptance(target_path, cases):
     """The oracle proposes the penalized reference with planted errors: long accepted blocks,
-    rejections at every position and bonus tokens, all against the penalized argmax."""
+    rejections at every position and bonus tokens, all against the penalized argmax.  The errors
+    are planted at set positions (a random draw over the few blocks of 16 tokens can miss them all:
+    it did on an AVX2-only machine, whose greedy references end otherwise)."""
     drafted = accepted = 0
     with Target(target_path, ContextSettings(n_threads=THREADS)) as t:
         for p, plain, chain, _ in cases:
-            orc = OracleProposer(list(p) + list(chain), t.n_vocab, p_error=0.5, seed=1)
+            orc = OracleProposer(list(p) + list(chain), t.n_vocab, error_at=[2, None, 0, 4, 1, 3], seed=1)
             done = SpecDecoder(t, orc).generate(p, N, n_max=7, sampling=_pen())
             assert done.tokens == chain
             drafted += done.stats.drafted
