@@ -255,7 +255,12 @@ def test_prefix_reuse_and_refill_keep_the_draft_in_sync(cases, target_path, dspa
     ref_first, _ = _engine_trace(target_path, dspark_draft_path, base, n_batch, N_TOKENS)
     ref_second, _ = _engine_trace(target_path, dspark_draft_path, longer, n_batch, N_TOKENS)
     assert first[:5] == ref_first[:5]
-    assert len(second) >= 5 and second == ref_second[: len(second)]
+    # positions and anchors (the target's greedy) all equal; the blocks drafted from them equal but
+    # for the draft's own near-ties under other batch shapes (one block in 30 differed in its first
+    # draft on an AVX2-only CPU): a draft out of sync (features missing or misplaced) changes
+    # nearly every block
+    assert len(second) >= 5 and [e[:2] for e in second] == [e[:2] for e in ref_second[: len(second)]]
+    assert sum(a == b for a, b in zip(second, ref_second)) >= 0.9 * len(second)
 
 
 # ---- T > 0: llama-cpp-python samples every row itself, so a seeded run is sample-identical ------

@@ -14,6 +14,9 @@ and the block maximum of 32 roughly Gaussian weights is about 3 typical weights)
 Measured on the two prompts below (1 thread, CPU): max |d| / (u R) up to 0.85 (f16), 0.75 (bf16) and
 1.23 (q8_0), i.e. 0.008, 0.056 and 0.28 in logits against row spreads of ~20; K = 4 leaves room for other
 CPUs' kernels and stays an order of magnitude below what a wrongly typed or transposed tensor gives.
+On an AVX2-only CPU (no AVX-512) llama.cpp's bf16 kernels measured max |d| / (u R) = 13.6 (one
+element: 1.17 in a logit, mean |d| 0.021) while f16 stayed at 0.52, so bf16's K is 16: 1.4 in a logit
+against spreads of ~20, still over an order of magnitude below a wrong tensor's error.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ PROMPTS = ("Write a short poem about the sea.", "Explain what a hash table is in
 N_TOK = 32
 UNIT = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8, "q8_0": 3 / 254}
 K = 4.0
+K_TYPE = {"bf16": 16.0}   # see the module docstring: the bf16 kernels of AVX2-only CPUs
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +110,10 @@ def test_block_logits_stay_within_tolerance_of_f32(drafts, target_path):
             for o, u in UNIT.items():
                 assert np.array_equal(np.isfinite(logits[o]), finite), o
                 diff = np.abs(np.where(finite, logits[o], 0.0) - ref)
-                tol = K * u * spread
+                tol = K_TYPE.get(o, K) * u * spread
                 ratio = float(diff.max()) / (u * spread)
                 print(f"{o:5s} {msg[:24]!r}: max |d| {diff.max():.4f} mean {diff[finite].mean():.5f} "
-                      f"spread {spread:.2f} -> max|d|/(u R) {ratio:.2f} (bound {K:g})")
+                      f"spread {spread:.2f} -> max|d|/(u R) {ratio:.2f} (bound {K_TYPE.get(o, K):g})")
                 assert diff.max() <= tol, (o, float(diff.max()), tol)
                 clear = (top2[:, 1] - top2[:, 0]) > 2 * tol      # rows without a near tie keep their draft
                 assert np.array_equal(logits[o].argmax(1)[clear], logits["f32"].argmax(1)[clear]), o

@@ -363,12 +363,16 @@ def test_reuse_prefix_after_the_swa_ring_wrapped(tmp_path):
     llm = open_ref(t)
     p1 = list(range(300, 340))
     ref1 = greedy(llm, p1, 400)                          # 440 positions: the 256-cell SWA ring wrapped
-    p2 = (p1 + ref1)[:100] + [777, 778]                  # shares 100 tokens with what the memory holds
-    ref2 = greedy(llm, p2, 32)
-    ref3 = greedy(llm, p1, 32)
-    llm.close()
     with speculator(t) as sp:
-        assert list(sp.generate(p1, 400, reuse_prefix=True).tokens) == ref1
+        got1 = list(sp.generate(p1, 400, reuse_prefix=True).tokens)
+        i = first_divergence(got1, ref1)
+        if i >= 0:   # only at a numerical near-tie (seen at token 266 on an AVX2-only machine)
+            margin = top2_margin(llm, p1 + ref1[:i])
+            assert margin < TIE_EPS, f"real divergence at generated token {i}: top-2 margin {margin:.5f}"
+        # the references follow what the memory holds (ours, equal to ref1 up to any near-tie)
+        p2 = (p1 + got1)[:100] + [777, 778]              # shares 100 tokens with what the memory holds
+        ref2, ref3, ref4 = greedy(llm, p2, 32), greedy(llm, p1, 32), greedy(llm, p1 + got1[:300], 100)
         assert list(sp.generate(p1, 32, reuse_prefix=True).tokens) == ref3     # the same prompt again
-        assert list(sp.generate(p1 + ref1[:300], 100, reuse_prefix=True).tokens) == ref1[300:400]
+        assert list(sp.generate(p1 + got1[:300], 100, reuse_prefix=True).tokens) == ref4
         assert list(sp.generate(p2, 32, reuse_prefix=True).tokens) == ref2     # back to position 100
+    llm.close()
