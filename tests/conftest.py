@@ -30,6 +30,11 @@ def _install_test_cost_profile() -> None:
 
 
 _install_test_cost_profile()
+# pytest-xdist runs the suite on one worker per core (pyproject's addopts): two workers with two
+# llama.cpp threads each would spin four threads on two cores and make every decode crawl, so each
+# worker decodes on one thread (greedy_ref.TEST_THREADS reads this when the test modules import it)
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("PYLLAMA_DSPARK_TEST_THREADS", "1")
 # what auto learned is kept across processes (spec/policy_memory.py); in the suite, one test's runs
 # must not steer another's: tests of the memory turn it on in their own subprocesses
 os.environ.setdefault("PYLLAMA_DSPARK_SCHEDULE_MEMORY", "0")
