@@ -84,6 +84,46 @@ def test_a_block_the_curve_overprices_is_found_and_kept():
     assert p._plan(4, 7)[0] == 3
 
 
+def test_a_cell_read_slow_once_is_measured_again_and_its_median_kept():
+    """Blocks of 6 (28 rows) are run 20 times without trying others, then one cycle of 24 rows (R
+    = 4 blocks of 5) reads 2x its cost (the OS took the core).  Measured once, that cell is planned
+    at the lower of its reading and the curve's guess, so block 5 stays in the band as a full
+    block, is verified in full (24 rows, the schedule's own lengths) until its cell has three
+    cycles, and the cell is their median, guessed(24).  Planned at its slow reading instead, the
+    schedule would cut block 5 to 23 rows and the cell would keep 43.5 for good."""
+    p = policy()
+    p.observe_cycle(4, 32, guessed(32))
+    p.explore_band = 0.0
+    assert {n for n, _ in run_verified(p, guessed, 20)} == {6}
+    p.observe_cycle(4, 24, 2 * guessed(24))
+    p.explore_band = EXPLORE_BAND
+    got = run_verified(p, guessed, 40)
+    assert got.count((5, 24)) == 2 and (5, 23) not in got
+    assert p._cycle_ms[(4, 24)] == (pytest.approx(guessed(24)), 3)
+    assert p.cost_for(4).t_verify(24) == pytest.approx(guessed(24)) and got[-5:] == [(6, 28)] * 5
+    # a cell dearer than its guess is planned at the guess until its third cycle, then as measured
+    q = policy()
+    q.observe_cycle(4, 32, guessed(32))
+    q.explore_band = 0.0
+    run_verified(q, guessed, 20)
+    for i in range(3):
+        q.observe_cycle(4, 24, 1.15 * guessed(24))
+        guess = t(24) + q.extra_estimate(4)[1]   # the drafting excess, moved a little by these cycles
+        assert guess < 1.15 * guessed(24)
+        assert q.cost_for(4).t_verify(24) == pytest.approx(guess if i < 2 else 1.15 * guessed(24))
+
+
+def run_verified(p, cycle, n_cycles):
+    """(block, rows verified) per cycle, the rows from the policy's own verify lengths."""
+    seq = []
+    for _ in range(n_cycles):
+        n = p.draft_length(4, 7)
+        rows = sum(ell + 1 for ell in p.lengths([None] * 4, [n] * 4))
+        seq.append((n, rows))
+        p.observe_cycle(4, rows, cycle(rows))
+    return seq
+
+
 def test_no_band_no_trying_and_bad_bands_refused():
     p = policy(explore_band=0.0)
     p.observe_cycle(4, 32, guessed(32))

@@ -20,7 +20,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from pyllama_dspark.spec import policy_memory
+from pyllama_dspark.spec import cycle_costs, policy_memory
+from pyllama_dspark.spec.cycle_costs import EXPLORE_SAMPLES
 from pyllama_dspark.spec.schedule import CostModel, apply_sts, schedule, static_cut, survival, survival_cut
 
 MODES = ("off", "static", "survival", "profiled", "auto")
@@ -53,7 +54,6 @@ DRAFT_MARGIN = 0.03
 #: then reads what it measured.  The cost is bounded: a handful of cycles per block, kept in the
 #: memory with the cycle costs, so a later process does not try them again.
 EXPLORE_BAND = 0.15
-EXPLORE_SAMPLES = 3
 
 
 @dataclass
@@ -77,6 +77,7 @@ class VerifyPolicy:
     _extra_used: dict = field(default_factory=dict, repr=False)  # what the plan reads (moves in steps)
     _cycle_ms: dict = field(default_factory=dict, repr=False)   # (R, rows) -> (measured cycle ms, samples)
     _cycle_used: dict = field(default_factory=dict, repr=False)  # what the plan reads (moves in steps)
+    _cycle_raw: dict = field(default_factory=dict, repr=False)   # (R, rows) -> first cycles of a drafting cell
     _costs: dict = field(default_factory=dict, repr=False)      # R -> (cost version, CostModel of R sequences)
     _cost_version: int = 0        # bumped when a cycle cost the plan reads moved (cost_for's cache)
     _n: np.ndarray = field(default=None, repr=False)            # verified tries per position
@@ -195,47 +196,7 @@ class VerifyPolicy:
         if not self.learn_costs or not self.uses_cost or n_requests <= 0 or n_rows < n_requests or \
                 not np.isfinite(ms) or ms < 0:
             return
-        moved = False
-        plain = n_rows == n_requests
-        cell = (n_requests, n_rows)
-        old, seen = self._cycle_ms.get(cell, (None, 0))
-        if old is not None:
-            ms = min(ms, 3.0 * old)   # one stall (a page fault, the OS) is not what the rows cost
-        new = self._cycle_ms[cell] = (self._mean(old, seen, ms, plain), seen + 1)
-        moved |= self._step(self._cycle_used, cell, new[0])
-        key = (n_requests, not plain)
-        old, seen = self._extra_ms.get(key, (None, 0))
-        new = self._extra_ms[key] = (self._mean(old, seen, ms - self.cost.t_verify(n_rows), plain), seen + 1)
-        moved |= self._step(self._extra_used, key, new[0])
-        # the plan reads them only once both kinds of cycle are known for R (before that, one
-        # without the other would tilt the comparison by the difference it cannot see)
-        if moved:
-            self._cost_version += 1
-            if self.extra_estimate(n_requests) != (0.0, 0.0):
-                self._version += 1
-
-    @staticmethod
-    def _mean(old: Optional[float], seen: int, x: float, plain: bool) -> float:
-        """A running mean (an EMA of rate 0.1 after ten samples).  A plain cycle's cost follows a
-        drop at once (rate 0.5): a plain cycle overestimated by a slow start would make drafting
-        look cheaper, and while auto drafts it never measures plain cycles again to correct it;
-        one underestimated is corrected by the plain cycles it leads to."""
-        if old is None:
-            return x
-        rate = max(0.1, 1.0 / (seen + 1))
-        if plain and x < old:
-            rate = max(rate, 0.5)
-        return old + rate * (x - old)
-
-    @staticmethod
-    def _step(used: dict, key, new: float) -> bool:
-        """What the plan reads follows a measured estimate in steps (0.5 ms or 5%), not on every
-        cycle: the plan is recomputed only when an input moved."""
-        cur = used.get(key)
-        if cur is None or abs(new - cur) > max(0.5, 0.05 * abs(cur)):
-            used[key] = new
-            return True
-        return False
+        cycle_costs.observe(self, n_requests, n_rows, ms)
 
     def extra_estimate(self, n_requests: int) -> tuple:
         """(plain, drafting) cycle ms over the curve for R sequences: both measured, else (0, 0)
@@ -257,8 +218,7 @@ class VerifyPolicy:
         if hit is not None and hit[0] == self._cost_version:
             return hit[1]
         c = self.cost
-        top = max(len(c.verify_ms), r * (self.gamma + 1))
-        v = [self._cycle_used.get((r, k), c.t_verify(k) + (draft if k > r else plain)) for k in range(1, top + 1)]
+        v = cycle_costs.planned_cycles(self, r, max(len(c.verify_ms), r * (self.gamma + 1)), plain, draft)
         model = CostModel(np.maximum(v, 1e-3), c.draft_ms, c.overhead_ms)
         self._costs[r] = (self._cost_version, model)
         return model

@@ -1,0 +1,97 @@
+"""What a verify cycle of R sequences costs, as measured: the running estimates behind
+:meth:`VerifyPolicy.observe_cycle` and :meth:`VerifyPolicy.cost_for` (the policy's fields, read and
+written here so the statistics sit in one place).
+
+A cycle cost is kept per (R, rows) as measured, and apart from that, per (R, drafting?), what
+cycles cost over the one-sequence curve (the guess for the row counts never run).  On a 2-core CPU
+a single cycle reads 0.8-1.45x of its cell's typical cost, so:
+
+* a drafting cell's estimate over its first MEDIAN_SAMPLES samples is their median (one cycle
+  caught by the OS is not what the rows cost), then a running mean;
+* a drafting cell measured fewer than EXPLORE_SAMPLES times is planned at the lower of its
+  measurement and the curve's guess: a cell read once at a bad moment would otherwise fall out of
+  the band of blocks auto tries (policy.EXPLORE_BAND) and stay wrong for good.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+#: a drafting cell's estimate is the median of its first this many cycles
+MEDIAN_SAMPLES = 5
+#: a drafting cell is planned optimistically until measured this many times (policy.EXPLORE_BAND's
+#: blocks are tried until their cells are)
+EXPLORE_SAMPLES = 3
+#: one cycle counts at most this many times its cell's estimate (a stall is not what the rows cost)
+STALL_CAP = 3.0
+
+
+def running_mean(old: Optional[float], seen: int, x: float, plain: bool) -> float:
+    """A running mean (an EMA of rate 0.1 after ten samples).  A plain cycle's cost follows a
+    drop at once (rate 0.5): a plain cycle overestimated by a slow start would make drafting
+    look cheaper, and while auto drafts it never measures plain cycles again to correct it;
+    one underestimated is corrected by the plain cycles it leads to."""
+    if old is None:
+        return x
+    rate = max(0.1, 1.0 / (seen + 1))
+    if plain and x < old:
+        rate = max(rate, 0.5)
+    return old + rate * (x - old)
+
+
+def step(used: dict, key, new: float) -> bool:
+    """What the plan reads follows a measured estimate in steps (0.5 ms or 5%), not on every
+    cycle: the plan is recomputed only when an input moved."""
+    cur = used.get(key)
+    if cur is None or abs(new - cur) > max(0.5, 0.05 * abs(cur)):
+        used[key] = new
+        return True
+    return False
+
+
+def observe(p, n_requests: int, n_rows: int, ms: float) -> None:
+    """Policy ``p`` saw a cycle of ``n_requests`` sequences and ``n_rows`` rows take ``ms``."""
+    moved = False
+    plain = n_rows == n_requests
+    cell = (n_requests, n_rows)
+    old, seen = p._cycle_ms.get(cell, (None, 0))
+    if old is not None:
+        ms = min(ms, STALL_CAP * old)
+    raw = p._cycle_raw.setdefault(cell, []) if not plain else None
+    if raw is not None and len(raw) == seen < MEDIAN_SAMPLES:   # (a restored cell has no raw samples)
+        raw.append(ms)
+        mean = float(np.median(raw))
+    else:
+        mean = running_mean(old, seen, ms, plain)
+    p._cycle_ms[cell] = (mean, seen + 1)
+    moved |= step(p._cycle_used, cell, mean) or (not plain and seen + 1 == EXPLORE_SAMPLES)
+    key = (n_requests, not plain)
+    old, seen = p._extra_ms.get(key, (None, 0))
+    new = p._extra_ms[key] = (running_mean(old, seen, ms - p.cost.t_verify(n_rows), plain), seen + 1)
+    moved |= step(p._extra_used, key, new[0])
+    # the plan reads them only once both kinds of cycle are known for R (before that, one
+    # without the other would tilt the comparison by the difference it cannot see)
+    if moved:
+        p._cost_version += 1
+        if p.extra_estimate(n_requests) != (0.0, 0.0):
+            p._version += 1
+
+
+def planned_cycles(p, r: int, top: int, plain: float, draft: float) -> list:
+    """The plan's cycle ms of R = ``r`` sequences for 1..``top`` rows: as measured where run, else
+    the curve plus the measured excess (``plain`` / ``draft``); a drafting cell measured fewer
+    than EXPLORE_SAMPLES times at the lower of the two."""
+    c = p.cost
+    out = []
+    for k in range(1, top + 1):
+        guess = c.t_verify(k) + (draft if k > r else plain)
+        got = p._cycle_used.get((r, k))
+        if got is None:
+            out.append(guess)
+        elif k > r and p._cycle_ms.get((r, k), (None, 0))[1] < EXPLORE_SAMPLES:
+            out.append(min(got, guess))
+        else:
+            out.append(got)
+    return out
