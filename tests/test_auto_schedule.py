@@ -23,6 +23,7 @@ import sys
 import numpy as np
 import pytest
 
+from greedy_ref import TEST_THREADS
 from integration_refs import DSPARK_KW
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.spec.drafter import DraftModelProposer
@@ -158,7 +159,7 @@ def test_lazy_catch_up_equals_eager_injection(target_path, dspark_draft_path):
     catch-up injection) and lazy with one deferred row zeroed (the negative control)."""
     from pyllama_dspark.llama.handles import Draft
 
-    settings = ContextSettings(n_ctx=512, n_threads=2)
+    settings = ContextSettings(n_ctx=512, n_threads=TEST_THREADS)
     t, d_eager, _ = open_models(target_path, dspark_draft_path, settings)
     with t:
         d_lazy = Draft(dspark_draft_path, t, settings)
@@ -204,15 +205,15 @@ def test_lazy_catch_up_equals_eager_injection(target_path, dspark_draft_path):
 def test_speculator_and_dspark_default_to_auto(target_path, dspark_draft_path):
     from pyllama_dspark.integrations.dspark import DSpark
 
-    with Speculator(target_path, dspark_draft_path, n_threads=2) as sp:
+    with Speculator(target_path, dspark_draft_path, n_threads=TEST_THREADS) as sp:
         assert sp.policy is not None and sp.policy.mode == "auto"
-    with Speculator(target_path, dspark_draft_path, n_threads=2, schedule="off") as sp:
+    with Speculator(target_path, dspark_draft_path, n_threads=TEST_THREADS, schedule="off") as sp:
         assert sp.policy is None
-    with Speculator(target_path, None, n_threads=2) as sp:
+    with Speculator(target_path, None, n_threads=TEST_THREADS) as sp:
         assert sp.policy is None
     with pytest.raises(ValueError):
-        Speculator(target_path, dspark_draft_path, n_threads=2, schedule="fast")
-    ds = DSpark(target_path, dspark_draft_path, n_threads=2, n_ctx=512)
+        Speculator(target_path, dspark_draft_path, n_threads=TEST_THREADS, schedule="fast")
+    ds = DSpark(target_path, dspark_draft_path, n_threads=TEST_THREADS, n_ctx=512)
     try:
         assert ds.decoder.policy is not None and ds.decoder.policy.mode == "auto"
     finally:
@@ -268,7 +269,7 @@ def test_auto_profile_is_measured_once_and_cached(target_path, tmp_path, monkeyp
 
     monkeypatch.setattr(costprofile, "measure_target", small)
     msgs = []
-    with Speculator(target_path, None, n_threads=2) as sp:
+    with Speculator(target_path, None, n_threads=TEST_THREADS) as sp:
         p1 = costprofile.auto_profile(sp.target, echo=msgs.append, progress=False)
         p2 = costprofile.auto_profile(sp.target, echo=msgs.append, progress=False)
     assert len(calls) == 1 and len(msgs) == 1 and "cached in" in msgs[0]

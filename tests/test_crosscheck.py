@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import gguf
 import pytest
+
+from greedy_ref import TEST_THREADS
 from click.testing import CliRunner
 
 from pyllama_dspark.decode.api import Speculator
@@ -142,7 +144,7 @@ def test_crosscheck_reference_handles_a_reduced_vocabulary_draft(target_path, tm
 
     out = tmp_path / "cc.json"
     r = CliRunner().invoke(main, ["crosscheck", "-m", target_path, "-md", default_draft(), "--prompts", _gsm8k(),
-                                  "--limit", "1", "-n", "24", "-t", "2", "-c", "2048", "--ref-blocks", "3",
+                                  "--limit", "1", "-n", "24", "-t", str(TEST_THREADS), "-c", "2048", "--ref-blocks", "3",
                                   "--json", str(out)])
     print(r.output)
     assert "draft graph vs numpy reference" in r.output

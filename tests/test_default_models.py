@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from greedy_ref import TEST_THREADS
+
 from pyllama_dspark.paths import default_draft, default_target
 from pyllama_dspark.gguf.info import read_draft_info, validate_pair
 from pyllama_dspark.gguf.target_info import read_target_info
@@ -29,7 +31,7 @@ N = 48
 
 def _run(*args):
     cmd = [sys.executable, "-m", "pyllama_dspark.cli.main", "run", "-p", PROMPT, "-n", str(N),
-           "--temp", "0", "-t", "2", "--json", *args]
+           "--temp", "0", "-t", str(TEST_THREADS), "--json", *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)

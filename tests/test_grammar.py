@@ -22,6 +22,8 @@ import sys
 import numpy as np
 import pytest
 
+from greedy_ref import TEST_THREADS
+
 from pyllama_dspark.spec.grammar import (JSON_OBJECT_GBNF, Grammar, GrammarCursor, GrammarError,
                                          schema_to_gbnf)
 
@@ -128,7 +130,7 @@ def hazard_failures(target) -> list:
 def target(target_path):
     from pyllama_dspark.llama.handles import ContextSettings, Target
 
-    with Target(target_path, ContextSettings(n_ctx=256, n_threads=2)) as t:
+    with Target(target_path, ContextSettings(n_ctx=256, n_threads=TEST_THREADS)) as t:
         yield t
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from greedy_ref import TEST_THREADS
 from cli_runner import cli
 PROMPT = "The capital of France is"
 
@@ -40,13 +41,13 @@ def test_greedy_reference_is_llama_greedy(target_path, llama_refs):
     from pyllama_dspark.spec.oracle import greedy_reference
 
     prompt = _prompt_ids(llama_refs)
-    with Speculator(target_path, None, n_ctx=512, n_threads=2, schedule="off") as sp:
+    with Speculator(target_path, None, n_ctx=512, n_threads=TEST_THREADS, schedule="off") as sp:
         assert greedy_reference(sp.target, prompt, 24) == llama_refs.greedy(prompt, 24)
 
 
 def test_run_oracle_is_lossless_drafts_and_pays_a_draft_pass(target_path, llama_refs, tmp_path):
     prompt = _prompt_ids(llama_refs)
-    p = _cli("run", "-m", target_path, "-md", "oracle:0.9", "-p", PROMPT, "--raw", "-n", "32", "--temp", "0", "-t", "2",
+    p = _cli("run", "-m", target_path, "-md", "oracle:0.9", "-p", PROMPT, "--raw", "-n", "32", "--temp", "0", "-t", str(TEST_THREADS),
              "-c", "512", "--schedule", "off", "--json", env={"PYLLAMA_DSPARK_CACHE": str(tmp_path)})
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
@@ -64,7 +65,7 @@ def test_oracle_draft_pass_is_real_and_reports_no_confidence(target_path, llama_
 
     prompt = _prompt_ids(llama_refs)
     ref = llama_refs.greedy(prompt, 16)
-    with Speculator(target_path, "oracle:1.0", n_ctx=512, n_threads=2, schedule="off") as sp:
+    with Speculator(target_path, "oracle:1.0", n_ctx=512, n_threads=TEST_THREADS, schedule="off") as sp:
         o = sp.proposer
         assert isinstance(o, OracleDraft) and o.has_confidence is False and sp.policy is None
         o.prepare([prompt], 16)
@@ -79,7 +80,7 @@ def test_oracle_draft_pass_is_real_and_reports_no_confidence(target_path, llama_
         smp = object()
         with pytest.raises(ValueError, match="greedy only"):
             o.propose_batch([BlockRequest(ref[0], len(prompt), 7, 0, smp)])
-    with Speculator(target_path, "oracle:0.5", n_ctx=512, n_threads=2) as sp:
+    with Speculator(target_path, "oracle:0.5", n_ctx=512, n_threads=TEST_THREADS) as sp:
         # auto works from the running acceptance (no confidences): a policy, and lossless output
         assert sp.policy is not None and sp.policy.mode == "auto"
         seen = []
@@ -156,7 +157,7 @@ def _steep_profile(path: Path) -> str:
 
 
 def _run(target_path, cache, profile, memory="1", draft="random", n=24):
-    p = _cli("run", "-m", target_path, "-md", draft, "-p", PROMPT, "--raw", "-n", n, "--temp", "0", "-t", "2", "-c", "512",
+    p = _cli("run", "-m", target_path, "-md", draft, "-p", PROMPT, "--raw", "-n", n, "--temp", "0", "-t", str(TEST_THREADS), "-c", "512",
              "--json", env={"PYLLAMA_DSPARK_CACHE": str(cache), "PYLLAMA_DSPARK_COST_PROFILE": profile,
                             "PYLLAMA_DSPARK_SCHEDULE_MEMORY": memory})
     assert p.returncode == 0, p.stderr[-3000:]
@@ -222,7 +223,7 @@ def test_restored_policy_makes_no_draft_decode_at_all(monkeypatch, tmp_path, tar
     prompt = _prompt_ids(llama_refs)
     ref = llama_refs.greedy(prompt, 24)
     for i in range(2):
-        with Speculator(target_path, dspark_draft_path, n_ctx=512, n_threads=2) as sp:
+        with Speculator(target_path, dspark_draft_path, n_ctx=512, n_threads=TEST_THREADS) as sp:
             calls = []
             for name in ("inject", "inject_captured", "decode_blocks", "decode_block"):
                 real = getattr(sp.draft, name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from greedy_ref import TEST_THREADS
 from llama_sampler_ref import LlamaChain
 from pyllama_dspark.llama import _native as nat
 from pyllama_dspark.errors import NativeError
@@ -365,7 +366,7 @@ def test_absurd_inject_is_refused_before_allocating(target_path, dspark_draft_pa
     from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
 
     meta = read_draft_meta(dspark_draft_path)
-    s = ContextSettings(n_ctx=256, n_threads=2)
+    s = ContextSettings(n_ctx=256, n_threads=TEST_THREADS)
     with Target(target_path, s, capture_layers=meta.target_layers) as t:
         d = Draft(dspark_draft_path, t, s)
         t.decode(np.asarray([1, 2, 3], dtype=np.int32), 0, 0, all_outputs=False)
