@@ -27,6 +27,7 @@ import inspect
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -369,6 +370,7 @@ def test_reuse_prefix_after_the_swa_ring_wrapped(tmp_path):
         if i >= 0:   # only at a numerical near-tie (seen at token 266 on an AVX2-only machine)
             margin = top2_margin(llm, p1 + ref1[:i])
             assert margin < TIE_EPS, f"real divergence at generated token {i}: top-2 margin {margin:.5f}"
+            warnings.warn(f"SWA reuse: 1 numerical near-tie excused at generated token {i} (top-2 margin {margin:.5f})")
         # the references follow what the memory holds (ours, equal to ref1 up to any near-tie)
         p2 = (p1 + got1)[:100] + [777, 778]              # shares 100 tokens with what the memory holds
         ref2, ref3, ref4 = greedy(llm, p2, 32), greedy(llm, p1, 32), greedy(llm, p1 + got1[:300], 100)
