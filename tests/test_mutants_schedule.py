@@ -40,6 +40,12 @@ def test_cost_curve_extrapolation_by_hand():
     assert CostModel([4.0]).t_verify(3) == 12.0 and CostModel([4.0]).t_verify(1) == 4.0
     r = c.t_verify_range(4, 6)
     assert r.dtype == np.float64 and r.tolist() == pytest.approx([16.0, 30.0, 37.5])
+    # the range is t_verify over each batch size, inside the table and past it, to the last bit
+    assert c.t_verify_range(1, 9).tolist() == [c.t_verify(b) for b in range(1, 10)]
+    assert CostModel([4.0]).t_verify_range(1, 3).tolist() == [4.0, 8.0, 12.0]
+    assert c.t_verify_range(5, 4).size == 0
+    with pytest.raises(ValueError, match="^batch size must be >= 1$"):
+        c.t_verify_range(0, 3)
     assert c.sps(5) == pytest.approx(1e3 / 30.0)
 
 
@@ -70,12 +76,13 @@ def test_candidates_order():
 
 
 def test_can_pay_by_hand():
-    t = np.array([10.0, 30.0])
-    assert _can_pay(1.0, 1, 0.5, 2, t, 0.0, 100.0)          # m = 1: 1.5 / 0.01 = 150 > 100
-    assert not _can_pay(1.0, 1, 0.5, 2, t, 0.0, 150.0)      # 150 not > 150, m = 2: 2 / 0.03
-    assert _can_pay(1.0, 1, 0.5, 2, np.array([30.0, 10.0]), 0.0, 150.0)   # m = 2: 200 (reads ahead)
-    assert not _can_pay(1.0, 1, 0.5, 1, np.array([30.0, 10.0]), 0.0, 150.0)   # only 1 remaining
-    assert not _can_pay(1.0, 1, 0.5, 1, t, 5.0, 100.0)      # 1.5 / 0.015 = 100
+    sec = [0.010, 0.030]   # (t_verify(b + m) + t_fixed) / 1e3 for m = 1, 2
+    assert _can_pay(1.0, 0.5, 100.0, sec)              # m = 1: 1.5 / 0.01 = 150 > 100
+    assert not _can_pay(1.0, 0.5, 150.0, sec)          # 150 not > 150, m = 2: 2 / 0.03
+    assert _can_pay(1.0, 0.5, 150.0, [0.030, 0.010])   # m = 2: 200 (reads ahead)
+    assert not _can_pay(1.0, 0.5, 150.0, [0.030])      # only 1 remaining
+    assert not _can_pay(1.0, 0.5, 100.0, [0.015])      # t_fixed 5 ms: 1.5 / 0.015 = 100
+    assert not _can_pay(1.0, 0.5, 0.0, [])             # nothing left to admit
 
 
 def test_schedule_by_hand():

@@ -63,7 +63,12 @@ class CostModel:
 
     def t_verify_range(self, b0: int, b1: int) -> np.ndarray:
         """t_verify(b) for b = b0..b1 as an array."""
-        return np.asarray([self.t_verify(b) for b in range(b0, b1 + 1)], dtype=np.float64)
+        if b0 < 1:
+            raise ValueError("batch size must be >= 1")
+        v = self.verify_ms
+        b = np.arange(b0, b1 + 1)
+        inside = b <= v.size
+        return np.where(inside, v[np.minimum(b, v.size) - 1], v[-1] + self._slope * (b - v.size))
 
     def t_draft(self, n_seqs: int) -> float:
         if n_seqs <= 0:
@@ -110,8 +115,8 @@ class Schedule:
 
 
 def _candidates(surv: Sequence[Sequence[float]]):
-    cand = [(float(a), r, j + 1) for r, s in enumerate(surv) for j, a in enumerate(np.asarray(s, dtype=float))
-            if a > 0]
+    cand = [(a, r, j + 1) for r, s in enumerate(surv)
+            for j, a in enumerate(np.asarray(s, dtype=np.float64).reshape(-1).tolist()) if a > 0]
     # descending survival; ties: lower request index, then shorter prefix (keeps prefixes contiguous)
     cand.sort(key=lambda x: (-x[0], x[1], x[2]))
     return cand
@@ -121,17 +126,20 @@ def _theta(tau: float, b: int, cost: CostModel, t_fixed: float) -> float:
     return tau / ((cost.t_verify(b) + t_fixed) / 1e3)
 
 
-def _can_pay(tau: float, b: int, a: float, remaining: int, t_ahead: np.ndarray, t_fixed: float,
-             current: float) -> bool:
-    """Could admitting this candidate (survival ``a``) and up to ``remaining - 1`` more raise Theta
-    above ``current``?  Every later candidate has survival <= a (the order is descending), so
-    ``tau + m * a`` bounds the tokens of m admissions: the test reads the cost curve ahead but no
-    survival beyond this candidate's.  On a convex cost curve (increasing marginal cost) it is the
-    paper's one-step test; on a jagged one (a slow batch size between fast ones) it can cross the
-    slow step.  ``t_ahead[m - 1]`` = t_verify(b + m)."""
-    m = np.arange(1, remaining + 1, dtype=np.float64)
-    theta = (tau + m * a) / ((t_ahead[:remaining] + t_fixed) / 1e3)
-    return bool(np.any(theta > current))
+def _can_pay(tau: float, a: float, current: float, seconds_ahead: Sequence[float]) -> bool:
+    """Could admitting this candidate (survival ``a``) and up to ``len(seconds_ahead) - 1`` more
+    raise Theta above ``current``?  Every later candidate has survival <= a (the order is
+    descending), so ``tau + m * a`` bounds the tokens of m admissions: the test reads the cost
+    curve ahead but no survival beyond this candidate's.  On a convex cost curve (increasing
+    marginal cost) it is the paper's one-step test; on a jagged one (a slow batch size between
+    fast ones) it can cross the slow step.  ``seconds_ahead[m - 1]`` = (t_verify(b + m) +
+    t_fixed) / 1e3, b the batch before this candidate."""
+    m = 1.0
+    for sec in seconds_ahead:
+        if (tau + m * a) / sec > current:
+            return True
+        m += 1.0
+    return False
 
 
 def schedule(surv: Sequence[Sequence[float]], cost: CostModel, *, drafted: bool = True,
@@ -145,6 +153,8 @@ def schedule(surv: Sequence[Sequence[float]], cost: CostModel, *, drafted: bool 
     at the first candidate that cannot pay, judged only from its own survival, the survivals
     admitted before it and the cost curve (:func:`_can_pay`), and the admitted set is what is
     verified: the decision to verify x_{r,j} never looks at later tokens, so it stays lossless.
+    Plain floats and lists: the policy plans several blocks per cycle, and numpy's per-call cost
+    dominated these few dozen candidates.
     """
     R = len(surv)
     if R == 0:
@@ -155,19 +165,22 @@ def schedule(surv: Sequence[Sequence[float]], cost: CostModel, *, drafted: bool 
     b, tau = R, float(R)
     theta = _theta(tau, b, cost, t_fixed)
     path = []
+    cand = _candidates(surv)
+    if not cand:
+        return Schedule(lengths, theta, b, tau, path)
     # how many positions could still be admitted: the drafted count, not how many have a > 0 (that
-    # would read later survivals)
+    # would read later survivals); seconds[i] = the cycle with B = R + 1 + i rows
     n_positions = sum(len(s) for s in surv)
-    t_all = cost.t_verify_range(R + 1, R + n_positions) if n_positions else np.zeros(0)   # t(B) for B = R+1..
-    for i, (a, r, j) in enumerate(_candidates(surv)):
+    seconds = ((cost.t_verify_range(R + 1, R + n_positions) + t_fixed) / 1e3).tolist()
+    for i, (a, r, j) in enumerate(cand):
         if j != lengths[r] + 1:   # survival is non-increasing: only happens on exact ties; keep prefixes
             break
-        if not _can_pay(tau, b, a, n_positions - i, t_all[b - R:], t_fixed, theta):
+        if not _can_pay(tau, a, theta, seconds[i:]):
             break
         lengths[r] = j
         b += 1
         tau += a
-        theta = _theta(tau, b, cost, t_fixed)
+        theta = tau / seconds[i]
         path.append((r, j, theta))
     return Schedule(lengths, theta, b, tau, path)
 
