@@ -6,7 +6,8 @@
 Every (draft, temperature) cell runs each prompt as ``run`` (the default: auto schedule) and as
 ``run --no-draft``, each in its own process, back to back in an order rotated per prompt and repeat.
 Reported per cell: the median over runs of the generation's tok/s (the ``--json`` stats: prefill +
-decode, what ``run`` prints) as a ratio to no draft, and the median wall time of the whole process
+decode, what ``run`` prints) as a ratio to no draft, the median of the paired ratios (each default
+run over the no-draft run of the same prompt and repeat, back to back), and the median wall time of the whole process
 (start-up and model loading included) as a ratio.  ``--fresh-memory`` deletes what auto learned
 (``learned-*.json`` in the cache) before each cell's first run, so the cell's first run starts cold
 (the oracle's first-run figure, one sample per cell); ``--cold`` deletes it before every default run,
@@ -79,20 +80,25 @@ def main():
                         res[name].append((out["stats"]["tokens_per_second"], wall))
                         if name == "default" and (first is None or a.cold):
                             first = (first or []) + [out["stats"]["tokens_per_second"]]
+            # paired: each default run over the no-draft run of the same prompt and repeat, run back
+            # to back (this machine's speed drifts by 10-20% over minutes, which a ratio of medians
+            # over a cell's 12 runs each keeps)
+            paired = [a[0] / b[0] for a, b in zip(res["default"], res["no-draft"])]
             base_tps = statistics.median(x[0] for x in res["no-draft"])
             base_wall = statistics.median(x[1] for x in res["no-draft"])
             row = dict(draft=draft, temp=temp, runs=len(res["default"]),
                        no_draft_tps=round(base_tps, 1),
                        tps_ratio=round(statistics.median(x[0] for x in res["default"]) / base_tps, 3),
+                       paired_ratio=round(statistics.median(paired), 3),
                        wall_ratio=round(base_wall / statistics.median(x[1] for x in res["default"]), 3),
                        first_run_ratio=round(statistics.median(first) / base_tps, 3))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| draft | T | runs | no draft tok/s | default / no draft (tok/s) | (wall, per process) | first run |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| draft | T | runs | no draft tok/s | default / no draft (tok/s) | paired | (wall, per process) | first run |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['draft']} | {r['temp']} | {r['runs']} | {r['no_draft_tps']} | {r['tps_ratio']:.3f} | "
-              f"{r['wall_ratio']:.3f} | {r['first_run_ratio']:.3f} |")
+              f"{r['paired_ratio']:.3f} | {r['wall_ratio']:.3f} | {r['first_run_ratio']:.3f} |")
 
 
 if __name__ == "__main__":
