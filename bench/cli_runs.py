@@ -7,8 +7,8 @@ Every (draft, temperature) cell runs each prompt as ``run`` (the default: auto s
 ``run --no-draft``, each in its own process, back to back in an order rotated per prompt and repeat.
 Reported per cell: the median over runs of the generation's tok/s (the ``--json`` stats: prefill +
 decode, what ``run`` prints) as a ratio to no draft, the median of the paired ratios (each default
-run over the no-draft run of the same prompt and repeat, back to back), and the median wall time of the whole process
-(start-up and model loading included) as a ratio.  ``--fresh-memory`` deletes what auto learned
+run over the no-draft run of the same prompt and repeat, back to back), and the median wall time of
+the whole process (start-up and model loading included) as a ratio.  ``--fresh-memory`` deletes what auto learned
 (``learned-*.json`` in the cache) before each cell's first run, so the cell's first run starts cold
 (the oracle's first-run figure, one sample per cell); ``--cold`` deletes it before every default run,
 so every run is a first run from a cold memory and the first-run column is their median.  Run it on an idle machine: llama.cpp's threads spin-wait.
