@@ -219,12 +219,10 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, mar
                     row[name] = float(np.median(ratios[name]))
                     row[name + " tau"] = statistics.median(x[1] for x in xs)
                     row[name + " verified"] = statistics.median(x[2] for x in xs)
-                best_fixed = max(row[f"fixed {k}"] for k in fixed)
-                row["best"] = max(1.0, best_fixed)
+                row["best"] = float(best_of([row[f"fixed {k}"] for k in fixed]))
                 row["auto/best"] = row["auto"] / row["best"]
-                fx = np.stack([np.median(ratios[f"fixed {k}"][boot], axis=1) for k in fixed])
                 b_auto = np.median(ratios["auto"][boot], axis=1)
-                b_ab = b_auto / np.maximum(1.0, fx.max(axis=0))
+                b_ab = b_auto / best_of([np.median(ratios[f"fixed {k}"][boot], axis=1) for k in fixed])
                 row["auto/best 90%"] = [float(x) for x in np.percentile(b_ab, [5, 95])]
                 row["auto 90%"] = [float(x) for x in np.percentile(b_auto, [5, 95])]
                 row["auto/best held-out"] = held_out(ratios, fixed)
@@ -237,6 +235,12 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, mar
     return out
 
 
+def best_of(fixed_speedups):
+    """The limit a user reaches by tuning by hand: the best of no draft (1.0) and every fixed n, for
+    speedups that are numbers or arrays of bootstrap medians (elementwise)."""
+    return np.maximum(1.0, np.max(np.stack([np.asarray(x, dtype=float) for x in fixed_speedups]), axis=0))
+
+
 def held_out(ratios: dict, fixed) -> float:
     """auto over the best of (no draft, every fixed n), the best chosen on one half of the samples
     and measured on the other, both ways, averaged: chosen and measured on the same samples, the
@@ -246,7 +250,8 @@ def held_out(ratios: dict, fixed) -> float:
     for pick, meas in ((idx % 2 == 0, idx % 2 == 1), (idx % 2 == 1, idx % 2 == 0)):
         if not pick.any() or not meas.any():
             continue
-        k = max([0] + list(fixed), key=lambda k: np.median(ratios[f"fixed {k}"][pick]) if k else 1.0)
+        picked = [float(np.median(ratios[f"fixed {k}"][pick])) for k in fixed]
+        k = fixed[int(np.argmax(picked))] if float(best_of(picked)) > 1.0 else 0   # 0: no draft
         best = float(np.median(ratios[f"fixed {k}"][meas])) if k else 1.0
         out.append(float(np.median(ratios["auto"][meas])) / best)
     return float(np.mean(out)) if out else float("nan")
