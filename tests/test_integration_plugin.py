@@ -38,7 +38,10 @@ def cases(llama_refs):
 @pytest.fixture()
 def spec_llm(target_path, dspark_draft_path):
     llm = open_llama(target_path)
-    drafter = DSparkDraftModel(llm, dspark_draft_path, n_max=7)
+    # every block verified: these tests check what the speculative path emits, so it must run
+    # whatever the default (auto) would choose for this random draft (that choice:
+    # test_plugin_accepts_drafts_and_stays_lossless and test_auto_schedule)
+    drafter = DSparkDraftModel(llm, dspark_draft_path, n_max=7, schedule="off")
     yield llm, drafter
     llm.close()
 
@@ -151,8 +154,9 @@ class _Recording(DraftModelProposer):
 
 
 def _engine_trace(target_path, draft_path, prompt_tokens, n_batch, n_tokens, skip=0):
-    # the fixed block: every chunk's rows injected as the prefill decodes them, as the plug-in does
-    # (a cost-driven schedule defers the prompt's rows and injects them in one batch at the first block)
+    # the fixed block, as the plug-in runs in the tests that compare with it: every chunk's rows
+    # injected as the prefill decodes them (a cost-driven schedule defers the prompt's rows and
+    # injects them in one batch at the first block), every block proposed
     with Speculator(target_path, draft_path, n_ctx=4096, n_batch=n_batch, n_ubatch=n_batch, flash_attn="on",
                     n_threads=THREADS, n_max=7, schedule="off") as sp:
         rec = _Recording(sp.draft, skip)
@@ -197,7 +201,7 @@ def test_features_of_every_n_batch_chunk(cases, target_path, dspark_draft_path):
     try:
         prompt = _chat_tokens(llm, msgs)
         assert len(prompt) > 2 * n_batch, "the prompt must span several n_batch chunks"
-        drafter = DSparkDraftModel(llm, dspark_draft_path, n_max=7, trace=True)
+        drafter = DSparkDraftModel(llm, dspark_draft_path, n_max=7, trace=True, schedule="off")
         out = llm.create_completion(prompt, max_tokens=N_TOKENS, temperature=0)
         n_out = out["usage"]["completion_tokens"]
         assert drafter.n_refilled == 0 and drafter.n_skipped == 0
@@ -220,7 +224,7 @@ def test_partial_acceptance_rollbacks_match_engine(cases, target_path, bigram_dr
     llm = open_llama(target_path, n_batch=n_batch, n_ubatch=n_batch)
     try:
         prompt = _chat_tokens(llm, msgs)
-        drafter = DSparkDraftModel(llm, bigram_draft, n_max=7, trace=True)
+        drafter = DSparkDraftModel(llm, bigram_draft, n_max=7, trace=True, schedule="off")
         out = llm.create_completion(prompt, max_tokens=N_TOKENS, temperature=0)
         ours = _trace_until(drafter.trace, out["usage"]["completion_tokens"], len(prompt))
     finally:
@@ -240,7 +244,7 @@ def test_prefix_reuse_and_refill_keep_the_draft_in_sync(cases, target_path, dspa
         longer = base + llm.tokenize(b" Please answer briefly.", add_bos=False)
         # the Llama decodes before the drafter exists: its first call must re-derive the features
         llm.create_completion(base, max_tokens=4, temperature=0)
-        drafter = DSparkDraftModel(llm, dspark_draft_path, n_max=7, trace=True)
+        drafter = DSparkDraftModel(llm, dspark_draft_path, n_max=7, trace=True, schedule="off")
         llm.create_completion(base, max_tokens=N_TOKENS, temperature=0)
         assert drafter.n_refilled > 0
         first = list(drafter.trace)
