@@ -437,9 +437,38 @@ def test_the_plan_is_optimistic_about_what_it_saw_rarely():
     """The plan reads a + 0.5 sqrt(max(a(1-a), 0.05) / (n+1)) per position (the law written out),
     and the verify schedule the running estimate alone."""
     p = VerifyPolicy(mode="auto", cost=FLAT, gamma=3)
-    p._acc, p._n = np.array([0.6, 0.99, 0.0]), np.array([3.0, 0.0, 1e12])
+    p._acc, p._n = np.array([0.6, 0.99, 0.0]), np.array([3.0, 1.0, 1e12])
     want = [0.6 + 0.5 * np.sqrt(0.24 / 4), 1.0, 0.0 + 0.5 * np.sqrt(0.05 / (1e12 + 1))]
     assert p.hopeful().tolist() == pytest.approx(want, rel=1e-12)
+
+
+def test_an_untried_position_is_planned_no_higher_than_the_one_before_it():
+    """A position never verified (n = 0) is planned at min(its own hope, the planned position
+    before it), in order along the block; a verified one at its own hope, above its predecessor
+    too; with nothing verified the prior stands (every position 1.0).  And what it changes: a
+    drafter seen right at position 1 once in two (0.45, n = 1), later positions never reached,
+    no longer plans drafting as paying on a curve where 7 drafts at survival 0.63 would (5.4
+    tokens for 4.7 steps) but geometric survival (2.6 tokens at most) does not."""
+    p = VerifyPolicy(mode="auto", cost=FLAT, gamma=5)
+    h0 = 0.5 + 0.5 * np.sqrt(0.25 / 2)
+    p._acc, p._n = np.array([0.5, 0.9, 0.3, 0.9, 0.9]), np.array([1.0, 0.0, 4.0, 0.0, 0.0])
+    h2 = 0.3 + 0.5 * np.sqrt(0.21 / 5)
+    assert p.hopeful().tolist() == pytest.approx([h0, h0, h2, h2, h2], rel=1e-12)
+    p._acc, p._n = np.array([0.5, 0.9, 0.95, 0.9, 0.9]), np.array([1.0, 0.0, 9.0, 0.0, 0.0])
+    h2 = min(1.0, 0.95 + 0.5 * np.sqrt(0.05 / 10))
+    assert p.hopeful().tolist() == pytest.approx([h0, h0, h2, h2, h2], rel=1e-12)
+    assert VerifyPolicy(mode="auto", cost=FLAT, gamma=4).hopeful().tolist() == [1.0] * 4
+    # plain step 10 ms, two rows 17 ms, then 5 ms a row (8 rows: 47 ms), the pass free: a block of
+    # 7 at survival 0.626 each gives 5.4 tokens / 47 ms > 1 / 10 ms; geometric survival gives at
+    # most 1.63 / 17 ms (one draft verified) < 1 / 10 ms
+    cost = CostModel([10.0, 17.0] + [17.0 + 5.0 * (k - 2) for k in range(3, 33)], [1e-6])
+    q = VerifyPolicy(mode="auto", cost=cost, gamma=7, draft_margin=0.0)
+    q._acc, q._n = np.array([0.45] + [0.9] * 6), np.array([1.0] + [0.0] * 6)
+    assert q._plan(1, 7)[0] == 0
+    q._n[:] = 1.0
+    q._acc[:] = [0.45] + [0.999] * 6
+    q._version += 1   # (the plan is cached per version of the estimates)
+    assert q._plan(1, 7)[0] > 0   # the same first position with later ones seen right: it pays
 
 
 def test_one_early_rejection_does_not_switch_drafting_off():
