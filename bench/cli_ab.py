@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cli_runs import print_table   # bench/, beside this script
 from pyllama_dspark.paths import cache_dir
 from pyllama_dspark.prompts import load_prompts
 
@@ -98,11 +99,8 @@ def main():
                        a_drafted=[x[1] for x in res["A"]], b_drafted=[x[1] for x in res["B"]])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n| draft | T | runs | no draft tok/s | {a.rev_a} / no draft | {a.rev_b} / no draft | B / A |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['draft']} | {r['temp']} | {r['runs']} | {r['no_draft_tps']} | {r['a_paired']:.3f} | "
-              f"{r['b_paired']:.3f} | {r['b_over_a']:.3f} |")
+    print_table(["draft", "T", "runs", "no draft tok/s", f"{a.rev_a} / no draft", f"{a.rev_b} / no draft", "B / A"],
+                rows, ["draft", "temp", "runs", "no_draft_tps", "a_paired", "b_paired", "b_over_a"])
 
 
 if __name__ == "__main__":

@@ -94,11 +94,18 @@ def main():
                        first_run_ratio=round(statistics.median(first) / base_tps, 3))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| draft | T | runs | no draft tok/s | default / no draft (tok/s) | paired | (wall, per process) | first run |")
-    print("|---|---|---|---|---|---|---|---|")
+    print_table(["draft", "T", "runs", "no draft tok/s", "default / no draft (tok/s)", "paired", "(wall, per process)",
+                 "first run"], rows, ["draft", "temp", "runs", "no_draft_tps", "tps_ratio", "paired_ratio", "wall_ratio",
+                                      "first_run_ratio"])
+
+
+def print_table(header, rows, keys):
+    """A markdown table of the rows' ``keys`` (ratios with three decimals)."""
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     for r in rows:
-        print(f"| {r['draft']} | {r['temp']} | {r['runs']} | {r['no_draft_tps']} | {r['tps_ratio']:.3f} | "
-              f"{r['paired_ratio']:.3f} | {r['wall_ratio']:.3f} | {r['first_run_ratio']:.3f} |")
+        print("| " + " | ".join(f"{r[k]:.3f}" if k.endswith(("ratio", "paired", "over_a")) else str(r[k])
+                                for k in keys) + " |")
 
 
 if __name__ == "__main__":
