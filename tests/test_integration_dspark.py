@@ -43,7 +43,7 @@ def cases(llama_refs):
 @pytest.fixture(scope="module")
 def ds(target_path, dspark_draft_path):
     """Every block verified (llama.cpp's fixed schedule): these tests check what speculative cycles
-    emit, so they must run some whatever an automatic schedule would choose for this random draft;
+    emit, so those cycles must run whatever an automatic schedule would choose for this random draft;
     and which draws a seed's sample uses then does not depend on what a schedule learned from
     earlier calls (README, "Seeds").  The default (auto) is test_auto_schedule's."""
     with DSpark(target_path, dspark_draft_path, **dict(DSPARK_KW, schedule="off")) as d:
