@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cli_runs import print_table   # bench/, beside this script
+from cli_runs import print_table, run_cli   # bench/, beside this script
 from pyllama_dspark.paths import cache_dir
 from pyllama_dspark.prompts import load_prompts
 
@@ -51,13 +51,8 @@ def fresh_caches(root: Path, names) -> None:
 
 
 def run(code: Path, cache: Path, args) -> tuple:
-    env = dict(os.environ, PYTHONPATH=str(code), PYLLAMA_DSPARK_CACHE=str(cache))
-    p = subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", "run", *args], capture_output=True,
-                       text=True, env=env, timeout=900)
-    if p.returncode:
-        raise RuntimeError(p.stderr[-2000:])
-    s = json.loads(p.stdout)["stats"]
-    return s["tokens_per_second"], s.get("drafted", 0)
+    out, _ = run_cli(args, env=dict(os.environ, PYTHONPATH=str(code), PYLLAMA_DSPARK_CACHE=str(cache)))
+    return out["stats"]["tokens_per_second"], out["stats"].get("drafted", 0)
 
 
 def main():

@@ -27,10 +27,12 @@ from pyllama_dspark.paths import cache_dir, default_draft
 from pyllama_dspark.prompts import load_prompts
 
 
-def run_cli(args):
+def run_cli(args, env=None):
+    """One ``pyllama-dspark run`` process (``env``: its environment, default this one's): its
+    ``--json`` output and wall time."""
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", "run", *args], capture_output=True,
-                       text=True, timeout=900)
+                       text=True, timeout=900, env=env)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-2000:])
