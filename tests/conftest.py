@@ -18,6 +18,7 @@ TEST_COST_PROFILE = {
 
 
 def _install_test_cost_profile() -> None:
+    import atexit
     import json
     import tempfile
 
@@ -26,6 +27,8 @@ def _install_test_cost_profile() -> None:
     fd, path = tempfile.mkstemp(prefix="pyllama-dspark-test-profile-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(TEST_COST_PROFILE, f)
+    # removed when the process that wrote it exits (the xdist workers inherit the path, not the file)
+    atexit.register(lambda: os.path.exists(path) and os.unlink(path))
     os.environ["PYLLAMA_DSPARK_COST_PROFILE"] = path   # inherited by the CLI / server subprocesses
 
 
@@ -40,12 +43,19 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 os.environ.setdefault("PYLLAMA_DSPARK_SCHEDULE_MEMORY", "0")
 
 
-# the files that take longest (a CI run's --durations), started first: pytest-xdist hands each worker
-# one file at a time in collection order, so a long file collected last would leave one worker
-# running it alone at the end
-LONGEST_FIRST = ("test_lossless.py", "test_sampling_blocks.py", "test_sampling_e2e.py", "test_parity_cpp.py",
-                 "test_rpc.py", "test_integration_dspark.py", "test_integration_plugin.py", "test_batch.py",
-                 "test_interop.py", "test_serve.py", "test_sampling_engine.py")
+# the files that take longest (a CI run's --durations, summed per file; 20 s and more), started
+# first: with --no-loadscope-reorder (pyproject) pytest-xdist hands each worker the next file in
+# collection order once it is nearly done with its last, so the longest first leaves the short
+# ones to even out the end (a long file collected last would leave one worker running it alone)
+LONGEST_FIRST = ("test_lossless.py", "test_parity_cpp.py", "test_sampling_blocks.py", "test_sampling_e2e.py",
+                 "test_integration_dspark.py", "test_serve.py", "test_integration_plugin.py", "test_batch.py",
+                 "test_rpc.py", "test_interop.py", "test_targets_arch.py", "test_costprofile.py", "test_readme.py",
+                 "test_structured.py", "test_replicas_haproxy.py", "test_prompt_cache.py", "test_train.py",
+                 "test_bad_input.py", "test_cli.py", "test_bench.py", "test_crosscheck.py", "test_reference.py",
+                 "test_drafts.py", "test_sampling_engine.py", "test_interop_outtypes.py", "test_auto_schedule.py",
+                 "test_penalties_greedy.py", "test_fuzz_gguf.py", "test_sampling_rule.py", "test_info_store.py",
+                 "test_engine_scenarios.py", "test_oracle_and_memory.py", "test_fuzz_utf8.py",
+                 "test_sampling_draft.py")
 
 
 def pytest_collection_modifyitems(items):

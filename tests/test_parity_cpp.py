@@ -102,9 +102,10 @@ def _compare(target_path, draft, prompts, binary, min_accepted, *, spec_type="dr
 
 
 def test_random_draft_matches_llama_server(target_path, dspark_draft_path, prompts, server_binary):
-    """The all-rejections path (a random draft is almost never right) on two prompts; the bigram
-    draft below runs all five with acceptances."""
-    rows = _compare(target_path, dspark_draft_path, prompts[:2], server_binary, min_accepted=0)
+    """The all-rejections path (a random draft is almost never right) on two prompts, 32 tokens
+    each (one cycle per token, every cycle alike; the blocks cut short by the budget at the end
+    included); the bigram draft below runs all five with acceptances."""
+    rows = _compare(target_path, dspark_draft_path, prompts[:2], server_binary, min_accepted=0, n_predict=32)
     assert sum(r["ours"][0] for r in rows) > 0
 
 
