@@ -41,7 +41,8 @@ def spec_llm(target_path, dspark_draft_path):
     # every block verified: these tests check what the speculative path emits, so it must run
     # whatever the default (auto) would choose for this random draft (that choice:
     # test_plugin_accepts_drafts_and_stays_lossless and test_auto_schedule); blocks of 3, as the
-    # DSpark class's tests run them (test_integration_dspark's `ds`: why), the traces below 7
+    # DSpark class's tests run them (test_integration_dspark's `ds`: why); the trace tests below
+    # keep blocks of 7
     drafter = DSparkDraftModel(llm, dspark_draft_path, n_max=3, schedule="off")
     yield llm, drafter
     llm.close()
