@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from pyllama_dspark.spec.costprofile import PROFILE_VERSION
+
 # The automatic verification schedule (the default wherever a draft is used) reads this file
 # instead of measuring the machine: a flat, memory-bound-like curve with a free draft pass and
 # fixed costs, so auto verifies what a fixed block would and every test is deterministic.  Tests of
@@ -14,7 +16,7 @@ import pytest
 TEST_COST_PROFILE = {
     "key": "tests", "settings": {}, "batch_sizes": list(range(1, 65)), "verify_ms": [10.0] * 64,
     "verify_p10": [10.0] * 64, "verify_p90": [10.0] * 64, "draft_ms": 0.0, "draft_spread": [0.0, 0.0],
-    "overhead_ms": 0.0, "repeats": 0, "version": 1, "fixed": True}
+    "overhead_ms": 0.0, "repeats": 0, "version": PROFILE_VERSION, "fixed": True}
 
 
 def _install_test_cost_profile() -> None:

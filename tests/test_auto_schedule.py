@@ -27,6 +27,7 @@ from greedy_ref import TEST_THREADS
 from integration_refs import DSPARK_KW
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.spec.drafter import DraftModelProposer
+from pyllama_dspark.spec import costprofile
 from pyllama_dspark.llama.handles import ContextSettings
 from pyllama_dspark.llama.models import open_models
 from pyllama_dspark.spec.policy import VerifyPolicy
@@ -233,7 +234,8 @@ def test_cli_run_default_is_auto_and_says_so(target_path, dspark_draft_path, gre
     prof.write_text(json.dumps({
         "key": "cpu-like", "settings": {}, "batch_sizes": list(range(1, 33)), "verify_ms": list(c.verify_ms),
         "verify_p10": list(c.verify_ms), "verify_p90": list(c.verify_ms), "draft_ms": 8.0,
-        "draft_spread": [8.0, 8.0], "overhead_ms": 0.3, "repeats": 1, "version": 1, "fixed": True}))
+        "draft_spread": [8.0, 8.0], "overhead_ms": 0.3, "repeats": 1,
+        "version": costprofile.PROFILE_VERSION, "fixed": True}))
     p = PROMPTS[0]
     toks, ref = greedy_refs[p]
     common = ["run", "-m", target_path, "-md", dspark_draft_path, "-p", p, "-n", str(N_TOK), "--temp", "0",
@@ -256,8 +258,6 @@ def test_cli_run_default_is_auto_and_says_so(target_path, dspark_draft_path, gre
 
 
 def test_auto_profile_is_measured_once_and_cached(target_path, tmp_path, monkeypatch):
-    from pyllama_dspark.spec import costprofile
-
     monkeypatch.delenv(costprofile.PROFILE_ENV, raising=False)
     monkeypatch.setenv("PYLLAMA_DSPARK_CACHE", str(tmp_path))
     calls = []

@@ -132,6 +132,36 @@ def test_auto_profile_caches_and_the_override_wins(counted, target_path, tmp_pat
         assert got.verify_ms == [7.0] * 4 and got.key == "given" and counted["measure_target"] == 2
 
 
+def test_auto_curve_reads_one_sequences_sizes_three_times(target_path):
+    """The auto curve's rounds: one whole round over B = 1..b_max, then (past the budget) only the
+    sizes one sequence verifies (B <= FOCUS_B) until each has FOCUS_READINGS readings; within the
+    budget, a round over those sizes between whole rounds.  Counted at the target's decode."""
+    from pyllama_dspark.decode.api import Speculator
+
+    f, b_max = costprofile.FOCUS_B, costprofile.FOCUS_B + 4
+    with Speculator(target_path, None, n_ctx=512, n_threads=1) as sp:
+        tgt, real = sp.target, sp.target.decode
+        rows = []
+
+        def decode(tokens, pos0, seq_id=0, all_outputs=True):
+            if all_outputs:   # (the prompt's prefill asks for its last row only)
+                rows.append(len(tokens))
+            return real(tokens, pos0, seq_id, all_outputs)
+
+        tgt.decode = decode
+        try:
+            prof = costprofile.measure_target(tgt, b_max=b_max, repeats=5, budget_s=0.0)
+            past_budget = [rows.count(b) for b in range(1, b_max + 1)]
+            rows.clear()
+            prof2 = costprofile.measure_target(tgt, b_max=b_max, repeats=2, budget_s=1e9)
+            within = [rows.count(b) for b in range(1, b_max + 1)]
+        finally:
+            del tgt.decode
+    assert past_budget == [costprofile.FOCUS_READINGS] * f + [1] * 4 and prof.repeats == 1
+    assert within == [3] * f + [2] * 4 and prof2.repeats == 2   # whole, focus, whole
+    assert costprofile.FOCUS_READINGS == 3 and len(prof.verify_ms) == b_max
+
+
 # ---- the commands ------------------------------------------------------------------------------
 
 def test_profile_command_writes_its_file_and_table(target_path, dspark_draft_path, tmp_path):

@@ -25,6 +25,8 @@ import pytest
 
 from greedy_ref import TEST_THREADS
 from cli_runner import cli
+from pyllama_dspark.spec import costprofile
+
 PROMPT = "The capital of France is"
 
 
@@ -153,7 +155,8 @@ def _steep_profile(path: Path) -> str:
     path.write_text(json.dumps({
         "key": "steep", "settings": {}, "batch_sizes": b, "verify_ms": [10.0 * x for x in b],
         "verify_p10": [10.0 * x for x in b], "verify_p90": [10.0 * x for x in b], "draft_ms": 0.0,
-        "draft_spread": [0.0, 0.0], "overhead_ms": 0.0, "repeats": 1, "version": 1, "fixed": False}))
+        "draft_spread": [0.0, 0.0], "overhead_ms": 0.0, "repeats": 1,
+        "version": costprofile.PROFILE_VERSION, "fixed": False}))
     return str(path)
 
 
