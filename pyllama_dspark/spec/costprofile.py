@@ -224,8 +224,9 @@ AUTO_BUDGET_S = 15.0
 def measure_target(target, *, b_max: int = AUTO_B_MAX, repeats: int = 5, budget_s: float = AUTO_BUDGET_S,
                    seed: int = 0, progress: Optional[Callable[[int, int], None]] = None) -> Profile:
     """The target's verify cost curve alone (B = 1..b_max, interleaved rounds: one whole, then
-    more while within ``budget_s``; B <= FOCUS_B read at least FOCUS_READINGS times).  The draft pass cost is left to the policy, which measures the
-    draft actually in use on its first block.  Uses (and clears) sequence 0 of the target."""
+    more while within ``budget_s``; B <= FOCUS_B read at least FOCUS_READINGS times).  The draft
+    pass cost is left to the policy, which measures the draft actually in use on its first block.
+    Uses (and clears) sequence 0 of the target."""
     b_max = max(1, min(b_max, target.n_batch))
     try:
         times, r, _ = _verify_curve(target, b_max, repeats, budget_s, seed, progress, focus=FOCUS_B)
