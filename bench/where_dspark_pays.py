@@ -24,7 +24,9 @@ curve t(k)/t(1), the draft pass time, and for each (target, R, P) auto against t
 draft, every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draft(l) + t(l + 1)),
 t_draft(l) the measured pass of a block of l drafts.
 ``--auto-margins`` and ``--auto-bands`` add auto with another draft margin or explore band (0: no
-block tried off the plan) as more columns of the same run: an A/B measured side by side.
+block tried off the plan), and ``--auto-set field=value`` auto with any other policy field set
+(``follow_speed=0``: cells not run lately keep the speed of their moment), as more columns of the
+same run: an A/B measured side by side.
 
 Run it on an idle machine: llama.cpp's threads spin-wait.
 """
@@ -85,7 +87,7 @@ def draft_pass_ms(t, d, prompt, R: int, reps: int = 12, n: int = 7) -> float:
     return float(np.median(times))
 
 
-def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, margins=(), bands=()):
+def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, margins=(), bands=(), variants=()):
     draft = oracle_draft_for(path)
     items = load_prompts((), limit_per_file=1)[:n_prompts]
     out = {"target": os.path.basename(path), "draft": os.path.basename(draft), "cells": []}
@@ -124,7 +126,8 @@ def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, mar
             # auto as shipped, and auto with other draft margins or explore bands side by side (an
             # A/B in one run)
             autos = {"auto": {}, **{f"auto m={m:g}": {"draft_margin": m} for m in margins},
-                     **{f"auto b={b:g}": {"explore_band": b} for b in bands}}
+                     **{f"auto b={b:g}": {"explore_band": b} for b in bands},
+                     **{f"auto {k}={v:g}": {k: v} for k, v in variants}}
             configs = [("none", 0)] + [(f"fixed {k}", k) for k in fixed] + [(a, 7) for a in autos]
             results = {("none", None): [], ("control", None): []}
             policies = {}
@@ -260,7 +263,7 @@ def held_out(ratios: dict, fixed) -> float:
 def print_table(res, log):
     cells = res["cells"]
     fixed = sorted({k for c in cells for k in fixed_of(c)})
-    others = sorted({k for c in cells for k in c if k[:7] in ("auto m=", "auto b=") and " " not in k[7:]})
+    others = sorted({k for c in cells for k in c if k.startswith("auto ") and "=" in k and " " not in k[5:]})
 
     def num(c, key, fmt="{:.2f}"):
         v = c.get(key)
@@ -337,6 +340,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (each run order drawn anew)")
     ap.add_argument("--auto-margins", default="", help="also run auto with these draft margins (A/B)")
     ap.add_argument("--auto-bands", default="", help="also run auto with these explore bands (A/B; 0: no exploring)")
+    ap.add_argument("--auto-set", default="",
+                    help="also run auto with these policy fields set, e.g. follow_speed=0 (A/B; comma-separated)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
@@ -366,8 +371,9 @@ def main():
         t0 = time.time()
         margins = [float(x) for x in a.auto_margins.split(",") if x]
         bands = [float(x) for x in a.auto_bands.split(",") if x]
+        variants = [(kv.split("=")[0], float(kv.split("=")[1])) for kv in a.auto_set.split(",") if kv]
         res = sweep_target(path, Ps, fixed, rs, a.n, a.prompts, a.threads, log, repeats=a.repeats, margins=margins,
-                           bands=bands)
+                           bands=bands, variants=variants)
         print_table(res, log)
         log(f"({time.time() - t0:.0f} s)")
         results.append(res)

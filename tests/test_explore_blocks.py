@@ -1,8 +1,9 @@
 """auto tries the blocks it plans near its best until their cycles are measured (EXPLORE_BAND), and
 keeps what it measured across processes.  The laws are written out by hand: R = 4 sequences,
 acceptance 0.8 at every position (known), a full draft pass of 8 ms (a block of n:
-8 (0.05 + 0.95 n / 7)), the one-sequence curve t(b) = 10 + (b - 1) / 4 ms, a plain cycle t(4) + 1
-and a drafting cycle measured at t(32) + 6, so every block's cycle is guessed at t(4 (n + 1)) + 6."""
+8 (0.05 + 0.95 n / 7)), the one-sequence curve t(b) = 10 + (b - 1) / 4 ms, a plain cycle t(4) (the
+machine at the curve's speed) and a drafting cycle measured at t(32) + 6, so every block's cycle is
+guessed at t(4 (n + 1)) + 6."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def t(b):
 def theta(n, cycle):
     """Tokens per second of R = 4 blocks of n, every draft verified."""
     if n == 0:
-        return 4 / ((t(4) + 1) / 1e3)
+        return 4 / (t(4) / 1e3)
     factor = 1.0 if n >= 7 else 0.05 + 0.95 * n / 7
     return 4 * (1 + np.cumprod(np.full(n, 0.8)).sum()) / ((cycle(4 * (n + 1)) + 8.0 * factor) / 1e3)
 
@@ -34,7 +35,7 @@ def policy(**kw):
     p._acc, p._n = np.full(7, 0.8), np.full(7, 1e12)
     p.observe_draft(4, 8.0)
     p.observe_draft(4, 8.0)
-    p.observe_cycle(4, 4, t(4) + 1.0)
+    p.observe_cycle(4, 4, t(4))
     return p
 
 
@@ -144,7 +145,7 @@ def test_measured_cycles_are_kept_across_processes():
     a.observe_cycle(4, 32, guessed(32))
     run(a, true)
     st = a.learned()
-    assert st["cycle_ms"]["4:16"] == [pytest.approx(true(16)), 17] and st["extra_ms"]["4:0"] == [1.0, 1]
+    assert st["cycle_ms"]["4:16"] == [pytest.approx(true(16)), 17] and st["extra_ms"]["4:0"] == [0.0, 1]
     b = fresh()
     assert b.restore(st)
     assert b._cycle_ms[(4, 16)] == (pytest.approx(true(16)), 10) and b._cycle_ms[(4, 24)][1] == 3

@@ -186,11 +186,11 @@ class VerifyPolicy:
             if key in self._draft_ms_n:
                 self._observe_cold(self._draft_ms_n[key] - raw)
             self._draft_ms_n = {k: v for k, v in self._draft_ms_n.items() if k[0] != n_requests}
-        self._draft_ms[n_requests] = ms if old is None else old + 0.2 * (ms - old)
+        self._draft_ms[n_requests] = ms if old is None else cycle_costs.log_step(old, ms, 0.2)
         # the pass of exactly this block size, as measured: a pass's cost is not linear in its rows
         # everywhere (kernels change with the batch), so a measured size beats the scaled estimate
         old_n = self._draft_ms_n.get(key)
-        self._draft_ms_n[key] = raw if old_n is None else old_n + 0.2 * (raw - old_n)
+        self._draft_ms_n[key] = raw if old_n is None else cycle_costs.log_step(old_n, raw, 0.2)
         self._version += 1
 
     def _observe_cold(self, extra_ms: float) -> None:
