@@ -36,10 +36,9 @@ CLIP = 0.2
 
 
 def running_mean(old: Optional[float], seen: int, x: float, plain: bool) -> float:
-    """A running mean (an EMA of rate 0.1 after ten samples).  A plain cycle's cost follows a
-    drop at once (rate 0.5): a plain cycle overestimated by a slow start would make drafting
-    look cheaper, and while auto drafts it never measures plain cycles again to correct it;
-    one underestimated is corrected by the plain cycles it leads to."""
+    """A running mean (an EMA of rate 0.1 after ten samples) of what cycles cost over the curve at
+    :func:`curve_speed` (which may be negative, hence not :func:`log_step`); a plain cycle's
+    excess follows a drop at once (rate 0.5)."""
     if old is None:
         return x
     rate = max(0.1, 1.0 / (seen + 1))
@@ -104,16 +103,17 @@ def observe(p, n_requests: int, n_rows: int, ms: float) -> None:
 
 def curve_speed(p, r: int) -> float:
     """How fast the machine runs now against the moment the curve was profiled: the plain cycle of
-    R sequences as measured over the curve's t(R); 1 until one was measured.  A cached profile read in a slower phase (30% on this Xeon a day later) would
-    otherwise make every guessed cell too cheap by the difference, the small ones most (an added
-    excess, measured on long blocks, is most of a short block's cost)."""
+    R sequences as measured over the curve's t(R); 1 until one was measured.  A cached profile read
+    in a slower phase (30% on this Xeon a day later) would otherwise make every guessed cell too
+    cheap by the difference, the small ones most (an added excess, measured on long blocks, is
+    most of a short block's cost)."""
     got = p._cycle_ms.get((r, r))
     return got[0] / max(p.cost.t_verify(r), 1e-9) if got else 1.0
 
 
 def planned_cycles(p, r: int, top: int, plain: float, draft: float) -> list:
     """The plan's cycle ms of R = ``r`` sequences for 1..``top`` rows: as measured where run, else
-    the curve plus the measured excess (``plain`` / ``draft``); a drafting cell measured fewer
+    the curve at :func:`curve_speed` plus the measured excess (``plain`` / ``draft``); a drafting cell measured fewer
     than EXPLORE_SAMPLES times at the lower of the two."""
     c = p.cost
     speed = curve_speed(p, r)
