@@ -103,6 +103,11 @@ def run(cfg, machine, curve, draft, P, n_tokens, t0_ms, seed):
 def make_auto(curve, draft, P, profile_speed, variant, prng):
     prof = [c * profile_speed * math.exp(0.03 * prng.standard_normal()) for c in curve]
     p = VerifyPolicy(mode="auto", cost=CostModel(prof, [draft[-1] * profile_speed]), gamma=GAMMA)
+    if variant.startswith("auto "):   # auto with a policy field set (--set field=value)
+        for kv in variant[5:].split(";"):
+            k, v = kv.split("=")
+            old = getattr(p, k, 0.0)
+            setattr(p, k, v not in ("0", "False") if isinstance(old, bool) else type(old)(float(v)))
     if variant == "no explore":
         p.explore_band = 0.0
     if variant in ("true acc", "true both"):
@@ -124,13 +129,14 @@ def main():
     ap.add_argument("--drift", type=float, default=0.1)
     ap.add_argument("--noise", type=float, default=0.08)
     ap.add_argument("--profile-speed", type=float, default=1.3)
+    ap.add_argument("--set", action="append", default=[], help="field=value: a column of auto with that policy field set")
     a = ap.parse_args()
     res = json.load(open(a.json))[0]
     t1 = res["t1_ms"]
     curve = [t1 * r for r in res["curve"]]
     draft = res["draft_ms"]["1"]
     fixed = [int(x) for x in a.fixed.split(",")]
-    variants = ["auto", "true costs", "true acc", "true both", "no explore"]
+    variants = ["auto", "true costs", "true acc", "true both", "no explore"] + [f"auto {kv}" for kv in a.set]
     print(f"{res['target']}: t(1) = {t1:.1f} ms, draft pass n = 1..7: " + " ".join(f"{x:.0f}" for x in draft)
           + f" ms; drift {a.drift}, noise {a.noise}, profile read at {a.profile_speed}x; {a.samples} samples x "
           f"{a.n} tokens, {a.seeds} seeds")

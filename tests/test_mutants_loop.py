@@ -5,6 +5,8 @@ exactly min(e, k) drafts of a block of k (the law of both accept rules), whateve
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from greedy_ref import TEST_THREADS, greedy, open_llama
@@ -153,3 +155,37 @@ def test_sampled_rejections_then_max_tokens_inside_a_block(sp, prompt_ref):
     assert done.tokens == ref[:13] and done.finish_reason == "length"
     assert done.stats.cycle_accepted[:-1] == [1] * (len(done.stats.cycle_accepted) - 1)
 
+
+
+class _CatchingUp(OracleProposer):
+    """The oracle, saying that each pass spent 25 ms folding in rows kept from plain cycles (it
+    sleeps 30 ms, so the pass the loop times is at least that)."""
+
+    def __init__(self, *a, **kw):
+        self.caught = 0.0
+        super().__init__(*a, **kw)
+
+    def catch_up_ms(self):
+        return self.caught
+
+    def propose_batch(self, requests):
+        time.sleep(0.03)
+        self.caught += 25.0
+        return super().propose_batch(requests)
+
+
+def test_the_loop_tells_the_policy_what_a_pass_spent_catching_up(sp, prompt_ref, monkeypatch):
+    """The draft pass the policy learns from is timed around the proposer, and what the proposer
+    spent in it folding in rows decoded plain (a switch's cost, not a pass's) is passed apart:
+    exactly this pass's share of the proposer's running total."""
+    prompt, ref = prompt_ref
+    loop = sp.decoder.loop
+    pol = loop._policy or loop._fixed
+    seen = []
+    monkeypatch.setattr(pol, "observe_draft", lambda r, ms, n=None, caught_ms=0.0: seen.append((ms, caught_ms)))
+    sp.decoder.proposer = _CatchingUp(list(prompt) + list(ref), sp.target.n_vocab, error_at=[None])
+    try:
+        sp.generate(prompt, 12)
+    finally:
+        sp.decoder.proposer = NoDraft()
+    assert seen and all(c == 25.0 and ms >= 30.0 for ms, c in seen)

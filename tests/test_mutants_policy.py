@@ -105,7 +105,7 @@ def test_budget_gap_by_hand():
     p = VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False)
     assert p._budget_gap(1) == 1400 and p._budget_gap(0) == 1400
     assert p._gaps[1] == ((p._version, 0.0), 1400)
-    p = VerifyPolicy(mode="auto", cost=NEVER, probe_budget=0.5)
+    p = VerifyPolicy(mode="auto", cost=NEVER, probe_budget=0.5, probe_plan=False)   # the full-block probe
     p.observe_draft(1, 99.0)                       # the cold first pass, replaced by the second
     p.observe_draft(1, 10.0)                       # measured 10 ms: ceil(100 / 5) = 20
     assert p._budget_gap(1) == 20
@@ -120,6 +120,47 @@ def test_budget_gap_by_hand():
     assert z._budget_gap(1) in (14_000_000, 14_000_001)   # budget floored at 1e-6 (ceil of 1.4e7 + rounding)
     # R = 2: t_draft(2) = 100, t(4) = 100 + 90 * 2 = 280, t(2) = 100: 280 / (0.01 * 100) = 280
     assert p._budget_gap.__self__ is p and VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False)._budget_gap(2) == 280
+
+
+def test_a_probe_runs_the_best_drafting_block_spaced_by_what_it_loses():
+    # a flat 30 ms draft pass, t(k) = 10, 12, 14, 16, 23.2, 40, ...: acceptance 0.9 everywhere
+    # (known) gives 1.9, 2.71, 3.439, 4.0951, 4.68559 tokens for blocks 1..5 at 42, 44, 46, 53.2, 70
+    # ms: 22.1, 16.2, 13.38, 12.99, 14.9 ms a token against plain decoding's 10, so drafting does not
+    # pay and the probe is the block of 4 (the fewest ms a token, not the smallest loss: block 3's
+    # 11.61 ms), all verified; it loses 53.2 - 40.951 = 12.249 ms: ceil(12.249 / (1% of 10)) = 123
+    cost = CostModel([10.0, 12.0, 14.0, 16.0, 23.2, 40.0, 50.0, 60.0], [30.0])
+    p = VerifyPolicy(mode="auto", cost=cost, learn_costs=False, probe_every=1)
+    p._acc, p._n = np.full(7, 0.9), np.full(7, 1e9)
+    p._draft_ms = {1: 30.0}
+    p._draft_ms_n = {(1, k): 30.0 for k in range(1, 8)}
+    assert p._plan(1, 7)[0] == 0
+    n, loss = p._probe_block(1, 7)
+    assert n == 4 and abs(loss - 12.249) < 1e-3
+    assert p._budget_gap(1) == 123
+    assert sum(p.want_draft(1) for _ in range(122)) == 0 and p.want_draft(1) and p._probing
+    assert p.draft_length(1, 7) == 4 and p.lengths([None], [4]) == [4] and not p._probing
+    p._probing = True   # every drafted token of a probe is verified (the schedule would cut 7 at 4)
+    assert p.lengths([None], [7]) == [7]
+    assert p.lengths([None], [7]) == [4]
+    # the full-block probe (probe_plan off): draft 30 + t(2) - t(1) = 32 ms: 320 cycles, one token
+    q = VerifyPolicy(mode="auto", cost=cost, learn_costs=False, probe_every=1, probe_plan=False)
+    q._acc, q._n, q._draft_ms, q._draft_ms_n = p._acc, p._n, p._draft_ms, p._draft_ms_n
+    assert q._budget_gap(1) == 320
+    q._probing = True
+    assert q.draft_length(1, 7) == 7
+
+
+def test_a_pass_is_learned_without_the_rows_it_caught_up():
+    p = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    p.observe_draft(1, 40.0, caught_ms=10.0)   # a process's first pass, kept whole (cold: its probe pays it)
+    p.observe_draft(1, 18.0, caught_ms=10.0)   # 8 ms of drafting: the first cost 32 more
+    assert p._cold_ms == 32.0 and p._draft_ms_n == {(1, 3): 8.0} and p._draft_ms == {1: 8.0}
+    p.observe_draft(1, 100.0, caught_ms=92.0)  # after a long plain stretch: 8 ms again, no move
+    assert p._draft_ms_n == {(1, 3): 8.0} and p.draft_estimate(1) == 8.0
+    r = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    assert r.restore(p.learned())
+    r.observe_draft(1, 70.0, caught_ms=50.0)   # restored: a process's first pass is cold, whole: 70 - 8
+    assert r._cold_ms == 32.0 + 0.3 * (62.0 - 32.0) and r.draft_estimate(1) == 8.0
 
 
 def test_pays_now_follows_the_running_estimates():
@@ -331,13 +372,13 @@ def test_policy_for():
 def test_learned_and_restore_by_hand():
     """learned() -> restore() carries every running estimate into a fresh policy; a restored draft
     figure is not replaced by the new process's cold first pass; a state that does not fit is refused."""
-    a = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    a = VerifyPolicy(mode="auto", cost=NEVER, gamma=3, probe_plan=False)
     a.observe_draft(1, 40.0)
     a.observe_draft(1, 8.0)
     a.update(3, 1)                                 # hit at 0, miss at 1: acc [0.95, 0.45, 0.9]
     st = a.learned()
     assert st["acc"] == pytest.approx([0.95, 0.45, 0.9]) and st["n"] == [1, 1, 0] and st["draft_ms"] == {"1": 8.0}
-    b = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    b = VerifyPolicy(mode="auto", cost=NEVER, gamma=3, probe_plan=False)
     v = b._version
     assert b.restore(st) and b._version == v + 1
     assert b._acc.tolist() == pytest.approx([0.95, 0.45, 0.9]) and b._n.tolist() == [1, 1, 0]
@@ -349,10 +390,10 @@ def test_learned_and_restore_by_hand():
     assert b.draft_estimate(1) == pytest.approx(8.0 * math.exp(0.04))
     for bad in ({**st, "gamma": 4}, {**st, "acc": [0.5, 0.5]}, {**st, "n": [1, float("nan"), 0]},
                 {**st, "draft_ms": {"0": 3.0}}, {**st, "draft_ms": {"1": -3.0}}, {"gamma": 3}, {}):
-        c = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+        c = VerifyPolicy(mode="auto", cost=NEVER, gamma=3, probe_plan=False)
         assert not c.restore(bad) and c._acc.tolist() == [0.9] * 3 and c._draft_ms == {}
     # out-of-range values are clamped: acceptance to [ACC_FLOOR, 1], the probe gap to 16 * probe_every
-    c = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    c = VerifyPolicy(mode="auto", cost=NEVER, gamma=3, probe_plan=False)
     assert c.restore({**st, "acc": [2.0, 0.0, -1.0], "probe_gap": 10 ** 6})
     assert c._acc.tolist() == [1.0, ACC_FLOOR, ACC_FLOOR] and c._probe_gap == 16 * c.probe_every
     # with fixed costs the draft figure is the profile's: not restored
@@ -368,7 +409,7 @@ def test_a_process_first_probe_pays_its_cold_pass_and_probes_are_spaced_across_p
     """`run` is one process per prompt: the plain cycles since the last probe carry over to the next
     process (else every process long enough would probe), and a probe that is a process's first
     pass is charged what a cold pass costs more (graph, pages, the rows deferred since the prompt)."""
-    a = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    a = VerifyPolicy(mode="auto", cost=NEVER, gamma=3, probe_plan=False)
     a.observe_draft(1, 40.0)                       # cold first pass (no memory) ...
     a.observe_draft(1, 8.0)                        # ... and the warm second one: 32 ms more
     assert a._cold_ms == 32.0
@@ -376,12 +417,12 @@ def test_a_process_first_probe_pays_its_cold_pass_and_probes_are_spaced_across_p
     assert a._budget_gap(1) == 980
     st = a.learned()
     assert st["cold_ms"] == 32.0 and st["skipped"] == 0
-    b = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    b = VerifyPolicy(mode="auto", cost=NEVER, gamma=3, probe_plan=False)
     assert b.restore(st) and b._cold_ms == 32.0
     assert b._budget_gap(1) == 1300                # its first pass would be cold: ceil((32 + 98) / 0.1)
     assert not any(b.want_draft(1) for _ in range(500))
     assert b.learned()["skipped"] == 500
-    c = VerifyPolicy(mode="auto", cost=NEVER, gamma=3)
+    c = VerifyPolicy(mode="auto", cost=NEVER, gamma=3, probe_plan=False)
     assert c.restore(b.learned()) and c._skipped == 500
     got = [c.want_draft(1) for _ in range(800)]   # 500 + 800 = 1300: the probe is the 800th call
     assert not any(got[:-1]) and got[-1] and c._probing and c._skipped == 0

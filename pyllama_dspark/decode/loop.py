@@ -307,6 +307,7 @@ class Decoder:
             if room and pol.want_draft(len(room)):
                 # the policy's block: a cost-driven one drafts only what it plans to verify
                 n_block = pol.draft_length(len(room), max(act[r].n_max for r in room))
+                caught = prop.catch_up_ms()
                 props = propose_all(prop, [BlockRequest(act[r].anchor, act[r].pos0, min(act[r].n_max, n_block),
                                                         act[r].seq_id, act[r].smp) for r in room])
                 for r, p in zip(room, props):
@@ -320,13 +321,14 @@ class Decoder:
                         if cut_q[r] is not None and confs[r] is not None:
                             confs[r] = confs[r][:len(drafts[r])]
                 n_in_pass = len(room)
+                caught = prop.catch_up_ms() - caught
         t1 = clock()
         # 2. verify lengths
         n_drafted = [0 if d is None else len(d) for d in drafts]
         lengths = pol.lengths(confs, n_drafted) if n_in_pass else n_drafted
         if n_in_pass and any(n_drafted):
             # after the cut: at T > 0 the pass's time depends on the drafted tokens themselves
-            pol.observe_draft(n_in_pass, (t1 - t0) * 1e3, n_block)
+            pol.observe_draft(n_in_pass, (t1 - t0) * 1e3, n_block, caught_ms=caught)
         # 3. one target decode with every request's verify rows
         tok, pos, seqs = self._rows_tok, self._rows_pos, self._rows_seq
         offs = []

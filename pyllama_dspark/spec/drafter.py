@@ -23,6 +23,7 @@ block is non-causal, so its length changes what the draft predicts.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -111,6 +112,11 @@ class Proposer:
     def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
         return EMPTY
 
+    def catch_up_ms(self) -> float:
+        """Milliseconds spent so far folding in rows kept by :meth:`observe_later` (a running
+        total): the first pass after plain cycles pays them, and they are not what a pass costs."""
+        return 0.0
+
     def propose_sampled(self, anchor: int, pos0: int, n_draft: int, sampler, seq_id: int = 0) -> Proposal:
         """Temperature > 0: drafts drawn with ``sampler`` (a :class:`~.sampling.TokenSampler`) and
         the distributions they were drawn from (``Proposal.probs``).
@@ -157,6 +163,7 @@ class DraftModelProposer(Proposer):
         self._deferred: Dict[int, _Deferred] = {}
         self.defer_bytes = DEFER_BYTES
         self.n_deferred_injections = 0     # catch-up injections made (rows folded in at once)
+        self._catch_up_ms = 0.0
 
     def max_draft(self) -> int:
         return self._max
@@ -187,9 +194,14 @@ class DraftModelProposer(Proposer):
         dq = self._deferred.pop(seq_id, None)
         if dq is None or dq.n == 0:
             return
+        t0 = time.perf_counter()
         rows = dq.rows[0] if len(dq.rows) == 1 else np.concatenate(dq.rows)
         self.draft.inject(rows, np.arange(dq.pos0, dq.pos0 + dq.n, dtype=np.int32), seq_id)
         self.n_deferred_injections += 1
+        self._catch_up_ms += (time.perf_counter() - t0) * 1e3
+
+    def catch_up_ms(self) -> float:
+        return self._catch_up_ms
 
     def deferred_rows(self, seq_id: int = 0) -> int:
         dq = self._deferred.get(seq_id)

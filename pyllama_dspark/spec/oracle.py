@@ -281,6 +281,9 @@ class OracleDraft(Proposer):
     def rollback(self, p0: int, seq_id: int = 0) -> None:
         self.inner.rollback(p0, seq_id)
 
+    def catch_up_ms(self) -> float:
+        return self.inner.catch_up_ms()
+
     def propose_batch(self, requests: Sequence[BlockRequest]) -> List[Proposal]:
         if any(r.sampler is not None for r in requests):
             raise ValueError("the oracle proposer is greedy only (temperature 0)")

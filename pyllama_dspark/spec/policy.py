@@ -69,6 +69,7 @@ class VerifyPolicy:
     probe_budget: float = 0.01                       # at most this share of the plain decoding time
     draft_margin: float = DRAFT_MARGIN               # the planned gain drafting needs over plain decoding
     explore_band: float = EXPLORE_BAND               # blocks planned this close to the best are tried
+    probe_plan: bool = True                          # a probe runs the best drafting block (_probe_block)
     _acc: np.ndarray = field(default=None, repr=False)
     _skipped: int = 0
     _draft_ms: dict = field(default_factory=dict, repr=False)   # measured draft pass ms per R (EMA)
@@ -162,24 +163,25 @@ class VerifyPolicy:
             return 1.0
         return DRAFT_FIXED_SHARE + (1.0 - DRAFT_FIXED_SHARE) * nd / self.gamma
 
-    def observe_draft(self, n_requests: int, ms: float, n_draft: Optional[int] = None) -> None:
+    def observe_draft(self, n_requests: int, ms: float, n_draft: Optional[int] = None, caught_ms: float = 0.0) -> None:
         """A draft pass over ``n_requests`` blocks (of ``n_draft`` drafts; None: full) took ``ms``:
         the scheduler's estimate follows the proposer actually in use (a batched pass is not R
-        single passes; an oracle costs ~0).  Kept as the full block's equivalent."""
+        single passes; an oracle costs ~0).  Kept as the full block's equivalent, less ``caught_ms``
+        (after a process's first pass): the rows decoded plain since the last pass folded in, 40% of
+        a 1.7B's pass after 7 plain cycles, which would keep drafting off after every probe."""
         if not self.learn_costs or n_requests <= 0 or not np.isfinite(ms) or ms < 0:
             return
         nd = self._drafts(n_draft)
-        raw = ms
-        ms = ms / self.block_factor(n_draft)
         self._draft_passes += 1
         key = (n_requests, nd)
         if self._draft_passes == 1 and self._restored_draft:
-            # the first pass of a process is cold (graph allocation, weights paged in, the rows
-            # deferred since the prompt injected): with a figure learned by an earlier process, it
-            # is not what drafting costs here, but what it costs over it is what a process's first
-            # probe costs (:meth:`_budget_gap`)
-            self._observe_cold(raw - self.draft_estimate(n_requests, n_draft))
+            # the first pass of a process is cold (graph allocation, weights paged in, the prompt's
+            # rows injected): with a figure learned by an earlier process, it is not what drafting
+            # costs here, but what it costs over it is a process's first probe's (:meth:`_budget_gap`)
+            self._observe_cold(ms - self.draft_estimate(n_requests, n_draft))
             return
+        raw = ms if self._draft_passes == 1 else max(0.0, ms - max(0.0, float(caught_ms)))
+        ms = raw / self.block_factor(n_draft)
         old = self._draft_ms.get(n_requests)
         if self._draft_passes == 2 and not self._restored_draft:
             old = None   # the first, cold pass was a placeholder: the second one replaces it
@@ -299,9 +301,12 @@ class VerifyPolicy:
     def draft_length(self, n_requests: int, n_max: int) -> int:
         """How many drafts to ask the drafter for this step: the cost-driven modes ask for the
         planned block (a shorter block is a cheaper pass), one more when confidences may let the
-        verification go past it, the full ``n_max`` on a probe; the others always ``n_max``."""
-        if not self.uses_cost or self._probing or n_max <= 1:
+        verification go past it, the probe's block on a probe; the others always ``n_max``."""
+        if not self.uses_cost or n_max <= 1:
             return n_max
+        if self._probing:
+            probe = self._probe_block(n_requests, n_max)
+            return n_max if probe is None else probe[0]
         n = self._plan(n_requests, n_max)[0]
         if n == 0:
             return n_max   # a pass forced to learn the draft's cost: the full block
@@ -337,18 +342,42 @@ class VerifyPolicy:
             return True
         return False
 
+    def _probe_block(self, n_requests: int, n_max: int):
+        """(block, ms it is planned to lose against plain decoding) of a probe: the drafting block of
+        fewest planned ms a token, all of it verified, spaced by :meth:`_budget_gap` so that what it
+        loses stays within ``probe_budget``; None (the full block, one token verified) with
+        ``probe_plan`` off or the draft pass not measured yet.  Drafting stops when the estimates read
+        low, and only probes revise them: the full-block probe cost 3-4 plain cycles on a 1.7B target,
+        came every ~300 cycles and never revised the block that would pay (with the oracle at 0.3,
+        auto froze on plain decoding at 0.93x of the block of 3, its first position read 0.75 for 0.9);
+        a block near break-even loses little, so it is revised often."""
+        if not self.probe_plan or self.draft_estimate(n_requests) is None:
+            return None
+        r, n_max = max(1, n_requests), max(1, min(int(n_max), self.gamma))
+        c = self.cost_for(r)
+        surv = survival(self.hopeful()[:n_max])
+        plain = (c.t_verify(r) + c.overhead_ms) / r   # ms per token
+        best = None
+        for n in range(1, n_max + 1):
+            tokens = r * (1.0 + float(surv[:n].sum()))
+            ms = self.draft_estimate(r, n) + c.t_verify(r * (n + 1)) + c.overhead_ms
+            if best is None or ms / tokens < best[2]:
+                best = (n, max(0.0, ms - tokens * plain), ms / tokens)
+        return best[:2]
+
     def _budget_gap(self, n_requests: int) -> int:
         """Plain cycles between probes for the probes to cost <= probe_budget of the decoding time
         (recomputed only when the draft cost estimate changed)."""
-        r = max(1, n_requests)
-        # a probe that would be this process's first pass also pays what a cold pass costs more
+        r = max(1, n_requests)   # a process's first pass also pays what a cold pass costs more
         cold = (self._cold_ms or 0.0) if self._draft_passes == 0 else 0.0
         hit = self._gaps.get(r)
         if hit is not None and hit[0] == (self._version, cold):
             return hit[1]
         c = self.cost_for(r)
         draft = self.draft_estimate(r)
-        probe = cold + (c.t_draft(r) if draft is None else draft) + c.t_verify(2 * r) - c.t_verify(r)
+        planned = self._probe_block(r, self.gamma)
+        probe = cold + (planned[1] if planned is not None else
+                        (c.t_draft(r) if draft is None else draft) + c.t_verify(2 * r) - c.t_verify(r))
         gap = int(np.ceil(max(0.0, probe) / (max(self.probe_budget, 1e-6) * max(c.t_verify(r), 1e-6))))
         self._gaps[r] = ((self._version, cold), gap)
         return gap
@@ -397,8 +426,9 @@ class VerifyPolicy:
             surv.append(survival(self.corrected(self.calibrated(c[:n]))))
         n_blocks = sum(1 for n in n_drafted if n > 0)
         out = schedule(surv, self.cost_for(len(confs)), drafted=True, draft_ms=self.draft_estimate(n_blocks)).lengths
-        if probing:   # a probe that verified nothing would learn nothing
-            out = [max(1, ell) if n else 0 for ell, n in zip(out, n_drafted)]
+        if probing:   # all of the probe's block (_probe_block); a probe verifying nothing learns nothing
+            full = self.probe_plan and self.draft_estimate(n_blocks) is not None
+            out = list(n_drafted) if full else [max(1, ell) if n else 0 for ell, n in zip(out, n_drafted)]
         return list(out)
 
     def corrected(self, conf: np.ndarray) -> np.ndarray:
