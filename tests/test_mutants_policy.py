@@ -163,6 +163,38 @@ def test_a_pass_is_learned_without_the_rows_it_caught_up():
     assert r._cold_ms == 32.0 + 0.3 * (62.0 - 32.0) and r.draft_estimate(1) == 8.0
 
 
+def test_a_drafting_cell_not_run_lately_drifts_halfway_to_its_guess_every_forget_cycles():
+    cost = CostModel([10.0, 20.0, 30.0, 40.0], [5.0])
+    p = VerifyPolicy(mode="auto", cost=cost, gamma=3)
+    for rows, ms in ((1, 10.0), (4, 80.0), (2, 20.0)):
+        for _ in range(5):
+            p.observe_cycle(1, rows, ms)
+    # speed 10 / t(1) = 1; drafting cycles cost 40 and 0 over the curve: excess 20 (a plain mean);
+    # the 4-row cell reads 80, its guess is 40 + 20 = 60; the 2-row cell reads 20, its guess 40
+    assert p.cost_for(1).t_verify(4) == 80.0 and p.cost_for(1).t_verify(2) == 20.0
+    p._cycles = p._cell_at[(1, 4)] + 400
+    p._cell_at[(1, 1)] = p._cycles - 1   # plain cycles ran all along
+    p.observe_cycle(1, 1, 10.0)   # 64 cycles on: the plan is rebuilt (the plain cell does not move)
+    assert abs(p.cost_for(1).t_verify(4) - (80.0 * 60.0) ** 0.5) < 1e-9       # halfway in log
+    assert abs(p.cost_for(1).t_verify(2) - (20.0 * 40.0) ** 0.5) < 1e-9       # a cheap read drifts up alike
+    assert p.cost_for(1).t_verify(1) == 10.0                                  # the plain cell is kept
+    p._cycles += 400
+    p._cell_at[(1, 1)] = p._cycles - 1
+    p.observe_cycle(1, 1, 10.0)
+    assert abs(p.cost_for(1).t_verify(4) - 80.0 ** 0.25 * 60.0 ** 0.75) < 1e-9
+    # measured again at 60: the cell steps to 80 e^(-0.2 / 6) = 77.4 and what the plan reads stays 80
+    # (a step under 5%), the excess by 2 of 20 (under its step): as measured, 80
+    p.observe_cycle(1, 4, 60.0)
+    assert p.cost_for(1).t_verify(4) == 80.0
+    q = VerifyPolicy(mode="auto", cost=cost, gamma=3, forget_cycles=0)
+    for rows, ms in ((1, 10.0), (4, 80.0), (2, 20.0)):
+        for _ in range(5):
+            q.observe_cycle(1, rows, ms)
+    q._cycles = 10 ** 6
+    q.observe_cycle(1, 1, 10.0)
+    assert q.cost_for(1).t_verify(4) == 80.0
+
+
 def test_pays_now_follows_the_running_estimates():
     # a 10 ms verify, draft 12 ms: with acceptance 0.9 everywhere drafting pays; after misses it does not
     cost = CostModel([10.0] * 8 + [10.0], [12.0])

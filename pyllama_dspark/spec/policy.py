@@ -70,6 +70,7 @@ class VerifyPolicy:
     draft_margin: float = DRAFT_MARGIN               # the planned gain drafting needs over plain decoding
     explore_band: float = EXPLORE_BAND               # blocks planned this close to the best are tried
     probe_plan: bool = True                          # a probe runs the best drafting block (_probe_block)
+    forget_cycles: float = 400.0                     # a cell not run drifts to its guess (cycle_costs)
     _acc: np.ndarray = field(default=None, repr=False)
     _skipped: int = 0
     _draft_ms: dict = field(default_factory=dict, repr=False)   # measured draft pass ms per R (EMA)
@@ -79,6 +80,7 @@ class VerifyPolicy:
     _cycle_ms: dict = field(default_factory=dict, repr=False)   # (R, rows) -> (measured cycle ms, samples)
     _cycle_used: dict = field(default_factory=dict, repr=False)  # what the plan reads (moves in steps)
     _cycle_raw: dict = field(default_factory=dict, repr=False)   # (R, rows) -> first cycles of a drafting cell
+    _cell_at: dict = field(default_factory=dict, repr=False)     # (R, rows) -> _cycles when last measured
     _costs: dict = field(default_factory=dict, repr=False)      # R -> (cost version, CostModel of R sequences)
     _cost_version: int = 0        # bumped when a cycle cost the plan reads moved (cost_for's cache)
     _n: np.ndarray = field(default=None, repr=False)            # verified tries per position
@@ -274,8 +276,7 @@ class VerifyPolicy:
             sc = schedule([surv[:n]] * r, c, drafted=True, draft_ms=dms)
             th = sc.throughput
             blocks.append((n, th, sc.batch))
-            # drafting must beat plain decoding by the margin; among blocks, near-ties (0.5%) go to
-            # the longer one
+            # drafting must beat plain decoding by the margin; near-ties (0.5%) go to the longer block
             if (th > best[1] * (1.0 + self.draft_margin)) if best[0] == 0 else (th >= best[1] * 0.995):
                 best = (n, max(th, best[1]) if best[0] else th)
         self._plans[(r, n_max)] = (self._version, best, blocks)
@@ -332,9 +333,8 @@ class VerifyPolicy:
             self._probe_gap = self.probe_every
             return True
         self._skipped += 1
-        # keep the estimates alive with a probe now and then (a draft pass and one verified token),
-        # backing off while probes keep saying that drafting does not pay, and never spending more
-        # than probe_budget of the plain decoding time on them
+        # a probe now and then keeps the estimates alive (_probe_block), backing off while probes say
+        # drafting does not pay, within probe_budget of the plain decoding time
         if self.probe_every and self._skipped >= max(self._probe_gap, self._budget_gap(n_requests)):
             self._skipped = 0
             self._probe_gap = min(2 * self._probe_gap, 16 * self.probe_every)
