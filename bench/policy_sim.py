@@ -3,6 +3,7 @@
 
     python bench/policy_sim.py [--json docs/where_dspark_pays_17b_xeon_curve3.json] [--p 0.3,...]
         [--samples 12] [-n 40] [--seeds 8] [--drift 0.1] [--noise 0.08] [--profile-speed 1.3]
+        [--set field=value[;field=value] ...]
 
 On a 2-core CPU one configuration's tok/s moves by 10-30% within minutes, so a sweep cell's median
 of 12 samples moves by about 10%, more than the 5% ``auto`` is asked to stay within.  Here the
@@ -21,7 +22,9 @@ as shipped, then ``auto`` with one input replaced by the truth, which says where
 - ``true costs``: the plan reads the machine's real cycle and pass costs at this moment;
 - ``true acc``: the plan reads the oracle's real acceptance per position (no estimate, no optimism);
 - ``true both``: Algorithm 1 on the truth, the limit of the cost model itself;
-- ``no explore``: ``explore_band=0`` (no block tried off the plan).
+- ``no explore``: ``explore_band=0`` (no block tried off the plan);
+- ``auto field=value``: one per ``--set``, auto with those policy fields set (an A/B on the same
+  machine paths, e.g. ``--set probe_plan=0 --set "forget_cycles=0;ema=0.05"``).
 """
 
 from __future__ import annotations
