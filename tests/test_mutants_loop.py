@@ -13,7 +13,9 @@ from greedy_ref import TEST_THREADS, greedy, open_llama
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.spec.drafter import NoDraft
 from pyllama_dspark.spec.oracle import OracleProposer
+from pyllama_dspark.spec.policy import VerifyPolicy
 from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.spec.schedule import CostModel
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +191,28 @@ def test_the_loop_tells_the_policy_what_a_pass_spent_catching_up(sp, prompt_ref,
     finally:
         sp.decoder.proposer = NoDraft()
     assert seen and all(c == 25.0 and ms >= 30.0 for ms, c in seen)
+
+
+def test_the_loop_shows_the_policy_a_probe_whole(sp, prompt_ref, monkeypatch):
+    """What a probe loses is measured over what the loop reports of its cycle, in its order: the
+    pass as timed (the rows it caught up included: a probe pays them), the tokens the request
+    emitted, then the cycle; loss = pass + cycle - tokens x plain ms a token (t(1) = 10 here)."""
+    prompt, ref = prompt_ref
+    loop = sp.decoder.loop
+    pol = VerifyPolicy(mode="auto", cost=CostModel([10.0] + [1000.0] * 15, [1.0]), probe_every=1)
+    pol._draft_ms, pol._restored_draft = {1: 1.0}, True   # as if from the memory: no pass forced to learn
+    pol._skipped = 10 ** 9                                # the first cycle is a probe, then none for long
+    seen = []
+    for name in ("observe_draft", "update", "observe_cycle"):
+        orig = getattr(pol, name)
+        monkeypatch.setattr(pol, name, lambda *a, _o=orig, _n=name, **kw: (seen.append((_n, a, kw)), _o(*a, **kw))[1])
+    monkeypatch.setattr(loop, "_policy", pol)
+    sp.decoder.proposer = _CatchingUp(list(prompt) + list(ref), sp.target.n_vocab, error_at=[None])
+    try:
+        sp.generate(prompt, 12)
+    finally:
+        sp.decoder.proposer = NoDraft()
+    (d, (_, ms, _n), kw), (u, (k, n_acc, _c), _), (c, (r, rows, cycle), _) = seen[:3]
+    assert (d, u, c) == ("observe_draft", "update", "observe_cycle") and kw["caught_ms"] == 25.0 and ms >= 30.0
+    assert k > 0 and rows == k + 1 and r == 1
+    assert pol._probe_ms == {True: (pytest.approx(ms + cycle - (n_acc + 1) * 10.0), 1)}

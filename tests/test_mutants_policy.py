@@ -104,7 +104,7 @@ def test_budget_gap_by_hand():
     # probe = draft 50 + t(2) - t(1) = 140 ms; gap = ceil(140 / (0.01 * 10)) = 1400
     p = VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False)
     assert p._budget_gap(1) == 1400 and p._budget_gap(0) == 1400
-    assert p._gaps[1] == ((p._version, 0.0), 1400)
+    assert p._gaps[1] == ((p._version, 0.0, True), 1400)
     p = VerifyPolicy(mode="auto", cost=NEVER, probe_budget=0.5, probe_plan=False)   # the full-block probe
     p.observe_draft(1, 99.0)                       # the cold first pass, replaced by the second
     p.observe_draft(1, 10.0)                       # measured 10 ms: ceil(100 / 5) = 20
@@ -148,6 +148,60 @@ def test_a_probe_runs_the_best_drafting_block_spaced_by_what_it_loses():
     assert q._budget_gap(1) == 320
     q._probing = True
     assert q.draft_length(1, 7) == 7
+
+
+def test_probes_are_spaced_by_the_larger_of_their_planned_and_measured_loss():
+    """What a probe loses is measured (its whole pass, catch-up and cold start included, plus its
+    cycle, less plain decoding's ms for the tokens it emitted), kept per kind (a process's first
+    pass or a later one) across processes, and spaces the probes when it exceeds the plan."""
+    cost = CostModel([10.0, 12.0, 14.0, 16.0, 23.2, 40.0, 50.0, 60.0], [30.0])
+
+    def policy():
+        p = VerifyPolicy(mode="auto", cost=cost, probe_every=1, ema=0.0)   # acceptance known: it stays
+        p._acc, p._n = np.full(7, 0.9), np.full(7, 1e9)
+        p._draft_ms, p._restored_draft = {1: 30.0}, True
+        p._draft_ms_n = {(1, k): 30.0 for k in range(1, 8)}
+        return p
+
+    p = policy()
+    assert p._budget_gap(1) == 123                 # planned: block 4 loses 12.249 ms (see above)
+    assert sum(p.want_draft(1) for _ in range(122)) == 0 and p.want_draft(1) and p._probing
+    assert p.draft_length(1, 7) == 4
+    p.observe_draft(1, 66.8, 4)                    # the process's first pass: 36.8 ms over a warm one
+    assert p.lengths([None], [4]) == [4]
+    p.update(4, 1)                                 # 2 tokens
+    p.observe_cycle(1, 5, 23.2)                    # loss 66.8 + 23.2 - 2 x 10 = 70
+    assert p._probe_ms == {True: (pytest.approx(70.0), 1)} and p._cold_ms == pytest.approx(36.8)
+    assert p._budget_gap(1) == 123                 # a later probe of this process: none measured yet
+    assert p.learned()["probe_ms"] == {"1": [pytest.approx(70.0), 1]}
+    q = policy()
+    assert q.restore(p.learned()) and q._probe_ms == {True: (pytest.approx(70.0), 1)}
+    assert q._budget_gap(1) == 700                 # first pass: max(36.8 + 12.249, 70) over 1% of 10 ms
+    assert not q.want_draft(1)                     # (one plain cycle first: drafting cycles known, plain not)
+    q.update(0, 0)
+    q.observe_cycle(1, 1, 10.0)
+    q._skipped = 699
+    assert q.want_draft(1) and q._probing
+    q.observe_draft(1, 15.0, 4)
+    q.update(4, 3)                                 # 4 tokens: 15 + 23.2 - 40 = -1.8
+    q.observe_cycle(1, 5, 23.2)
+    assert q._probe_ms[True] == (pytest.approx(70.0 + 0.5 * (-1.8 - 70.0)), 2)
+    r = policy()
+    # q's cold pass read 0 over a warm one: cold 36.8 + 0.3 (0 - 36.8) = 25.76; max(25.76 + 12.249, 34.1)
+    assert r.restore(q.learned()) and r._budget_gap(1) == 381   # the plan
+    # a plain cycle is not a probe; a stalled probe counts at most 3x the running loss
+    assert not r.want_draft(1)
+    r.update(0, 0)
+    r.observe_cycle(1, 1, 10.0)
+    assert r._probe_ms[True] == q._probe_ms[True]
+    r._skipped = 10 ** 6
+    assert r.want_draft(1) and r._probing
+    r.observe_draft(1, 1000.0, 4)
+    r.update(4, 0)
+    r.observe_cycle(1, 5, 23.2)
+    assert r._probe_ms[True] == (pytest.approx(34.1 + (3 * 34.1 - 34.1) / 3), 3)
+    for bad in ({"2": [1.0, 1]}, {"1": [float("nan"), 1]}, {"1": [1.0, 0]}, {"x": [1.0, 1]}):
+        assert not policy().restore({**p.learned(), "probe_ms": bad})
 
 
 def test_a_pass_is_learned_without_the_rows_it_caught_up():

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from pyllama_dspark.spec import cycle_costs, policy_memory
+from pyllama_dspark.spec import cycle_costs, policy_memory, probes
 from pyllama_dspark.spec.cycle_costs import EXPLORE_SAMPLES
 from pyllama_dspark.spec.schedule import CostModel, apply_sts, schedule, static_cut, survival, survival_cut
 
@@ -98,6 +98,8 @@ class VerifyPolicy:
     _restored_draft: bool = False  # draft_ms came from an earlier process (its first pass here is cold)
     _draft_passes: int = 0         # draft passes timed in this process
     _cold_ms: Optional[float] = None  # a process's first pass over a warm one (kept in the memory)
+    _probe_ms: dict = field(default_factory=dict, repr=False)  # first pass? -> (a probe's measured loss, n)
+    _probe_now: Optional[list] = None  # the probe in flight: [first pass?, draft ms, tokens] (.probes)
     _plans: dict = field(default_factory=dict, repr=False)  # (R, n_max) -> (version, best, [(n, theta, rows)])
     _tried: dict = field(default_factory=dict, repr=False)  # (R, block) -> cycles it was tried to measure it
     _conf_seen: bool = False       # the proposals carry confidences (verification may go past the plan)
@@ -174,6 +176,7 @@ class VerifyPolicy:
         if not self.learn_costs or n_requests <= 0 or not np.isfinite(ms) or ms < 0:
             return
         nd = self._drafts(n_draft)
+        probes.drafted(self, ms)
         self._draft_passes += 1
         key = (n_requests, nd)
         if self._draft_passes == 1 and self._restored_draft:
@@ -212,6 +215,7 @@ class VerifyPolicy:
         if not self.learn_costs or not self.uses_cost or n_requests <= 0 or n_rows < n_requests or \
                 not np.isfinite(ms) or ms < 0:
             return
+        probes.ended(self, n_requests, ms)
         cycle_costs.observe(self, n_requests, n_rows, ms)
 
     def extra_estimate(self, n_requests: int) -> tuple:
@@ -316,7 +320,7 @@ class VerifyPolicy:
 
     # ---- before drafting ----------------------------------------------------------------------
     def want_draft(self, n_requests: int) -> bool:
-        self._probing = False
+        self._probing, self._probe_now = False, None
         if not self.uses_cost:
             return True
         if self.learn_costs and not self._restored_draft and self._draft_passes < 2:
@@ -339,48 +343,17 @@ class VerifyPolicy:
             self._skipped = 0
             self._probe_gap = min(2 * self._probe_gap, 16 * self.probe_every)
             self._probing = True
+            probes.begin(self)
             return True
         return False
 
     def _probe_block(self, n_requests: int, n_max: int):
-        """(block, ms it is planned to lose against plain decoding) of a probe: the drafting block of
-        fewest planned ms a token, all of it verified, spaced by :meth:`_budget_gap` so that what it
-        loses stays within ``probe_budget``; None (the full block, one token verified) with
-        ``probe_plan`` off or the draft pass not measured yet.  Drafting stops when the estimates read
-        low, and only probes revise them: the full-block probe cost 3-4 plain cycles on a 1.7B target,
-        came every ~300 cycles and never revised the block that would pay (with the oracle at 0.3,
-        auto froze on plain decoding at 0.93x of the block of 3, its first position read 0.75 for 0.9);
-        a block near break-even loses little, so it is revised often."""
-        if not self.probe_plan or self.draft_estimate(n_requests) is None:
-            return None
-        r, n_max = max(1, n_requests), max(1, min(int(n_max), self.gamma))
-        c = self.cost_for(r)
-        surv = survival(self.hopeful()[:n_max])
-        plain = (c.t_verify(r) + c.overhead_ms) / r   # ms per token
-        best = None
-        for n in range(1, n_max + 1):
-            tokens = r * (1.0 + float(surv[:n].sum()))
-            ms = self.draft_estimate(r, n) + c.t_verify(r * (n + 1)) + c.overhead_ms
-            if best is None or ms / tokens < best[2]:
-                best = (n, max(0.0, ms - tokens * plain), ms / tokens)
-        return best[:2]
+        """(block, ms it is planned to lose) of a probe, or None (:func:`.probes.probe_block`)."""
+        return probes.probe_block(self, n_requests, n_max)
 
     def _budget_gap(self, n_requests: int) -> int:
-        """Plain cycles between probes for the probes to cost <= probe_budget of the decoding time
-        (recomputed only when the draft cost estimate changed)."""
-        r = max(1, n_requests)   # a process's first pass also pays what a cold pass costs more
-        cold = (self._cold_ms or 0.0) if self._draft_passes == 0 else 0.0
-        hit = self._gaps.get(r)
-        if hit is not None and hit[0] == (self._version, cold):
-            return hit[1]
-        c = self.cost_for(r)
-        draft = self.draft_estimate(r)
-        planned = self._probe_block(r, self.gamma)
-        probe = cold + (planned[1] if planned is not None else
-                        (c.t_draft(r) if draft is None else draft) + c.t_verify(2 * r) - c.t_verify(r))
-        gap = int(np.ceil(max(0.0, probe) / (max(self.probe_budget, 1e-6) * max(c.t_verify(r), 1e-6))))
-        self._gaps[r] = ((self._version, cold), gap)
-        return gap
+        """Plain cycles between probes (:func:`.probes.budget_gap`)."""
+        return probes.budget_gap(self, n_requests)
 
     def _pays_now(self, n_requests: int) -> bool:
         """Algorithm 1 on the running estimates, recomputed only when they changed (a cycle that
@@ -448,6 +421,7 @@ class VerifyPolicy:
         """Running conditional acceptance per position from one verified block; ``conf``: the
         (calibrated) confidences the verified drafts had, for :meth:`corrected`."""
         self._cycles += 1
+        probes.accepted(self, n_accepted)
         self._verified += n_verified
         self._draft_cycles += 1 if n_verified else 0
         c = None if conf is None else self.calibrated(np.asarray(conf[:n_verified], dtype=np.float64))

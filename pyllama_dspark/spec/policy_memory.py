@@ -90,8 +90,8 @@ def state_of(p) -> dict:
     """What policy ``p``'s running estimates hold (JSON-able): acceptance per position and its
     weight, the confidence correction's sums, the measured draft pass ms per R and per (R, block),
     the measured cycle costs per (R, rows) and over the curve per (R, drafting?) with their sample
-    counts, what a cold first pass costs more, the probe back-off and the plain cycles since the
-    last probe (probes are spaced across processes, not restarted in each)."""
+    counts, what a cold first pass costs more, what probes measured to lose (:mod:`.probes`), the
+    probe back-off and the plain cycles since the last probe (probes are spaced across processes, not restarted in each)."""
     out = dict(gamma=p.gamma, acc=p._acc.tolist(), n=p._n.tolist(), hit_sum=p._hit_sum.tolist(),
                conf_sum=p._conf_sum.tolist(), draft_ms={str(r): v for r, v in p._draft_ms.items()},
                draft_ms_n={f"{r}:{n}": v for (r, n), v in p._draft_ms_n.items()},
@@ -100,17 +100,19 @@ def state_of(p) -> dict:
                probe_gap=p._probe_gap, skipped=p._skipped, cycles=p._cycles)
     if p._cold_ms is not None:
         out["cold_ms"] = p._cold_ms
+    if p._probe_ms:
+        out["probe_ms"] = {str(int(first)): list(v) for first, v in p._probe_ms.items()}
     return out
 
 
-def _pairs(raw, check) -> dict:
-    """{"a:b": [mean, samples]} -> {(a, b): (mean, samples)}; ValueError on a key or value that
-    does not fit."""
+def _pairs(raw, check, parts: int = 2) -> dict:
+    """{"a:b": [mean, samples]} -> {(a, b): (mean, samples)} (keys of ``parts`` integers); ValueError
+    on a key or value that does not fit."""
     out = {}
     for k, v in dict(raw or {}).items():
         key = tuple(int(x) for x in k.split(":"))
         mean, seen = float(v[0]), int(v[1])
-        if len(key) != 2 or not check(key) or not np.isfinite(mean) or seen < 1:
+        if len(key) != parts or not check(key) or not np.isfinite(mean) or seen < 1:
             raise ValueError(k)
         out[key] = (mean, min(seen, RESTORED_SAMPLES))
     return out
@@ -132,6 +134,7 @@ def load_state(p, state: dict, acc_floor: float) -> bool:
         skipped = int(state.get("skipped", 0))
         cold = state.get("cold_ms")
         cold = None if cold is None else float(cold)
+        probe_ms = {bool(k[0]): v for k, v in _pairs(state.get("probe_ms"), lambda k: k[0] in (0, 1), 1).items()}
     except (KeyError, TypeError, ValueError, IndexError):
         return False
     if any(a.shape != (p.gamma,) or not np.all(np.isfinite(a)) for a in arrays) or \
@@ -149,6 +152,7 @@ def load_state(p, state: dict, acc_floor: float) -> bool:
         p._draft_ms_n = {k: v for k, v in draft_ms_n.items() if k[0] in draft_ms}
         p._restored_draft = bool(draft_ms)
         p._cold_ms = cold
+        p._probe_ms = probe_ms
         if p.uses_cost:
             # the cycle costs as measured, and what the plan reads of them (cost_for rebuilds)
             p._cycle_ms, p._cycle_used = dict(cycle_ms), {k: v[0] for k, v in cycle_ms.items()}
