@@ -9,7 +9,8 @@ Each revision is checked out with ``git archive`` into a temporary folder (the b
 the C side must be the same in both), run with ``PYTHONPATH`` on it and ``PYLLAMA_DSPARK_CACHE`` on a
 folder of its own, which starts each cell with the cost profiles of the real cache and no learned
 memory.  Printed per cell: the median of the paired tok/s ratios (each run over the no-draft run of
-the same prompt and repeat), B over A paired the same way, and the tokens each run drafted.  Run it
+the same prompt and repeat), B over A paired the same way, their geometric means (a rare costly run,
+a probe, moves the mean and not the median), and the tokens each run drafted.  Run it
 on an idle machine: llama.cpp's threads spin-wait.
 """
 
@@ -26,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from cli_runs import print_table, run_cli   # bench/, beside this script
+from pyllama_dspark.llama._native import _shim_path
 from pyllama_dspark.paths import cache_dir
 from pyllama_dspark.prompts import load_prompts
 
@@ -36,7 +38,7 @@ def snapshot(rev: str, into: Path) -> Path:
     into.mkdir(parents=True)
     tar = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=tar, check=True)
-    shutil.copy(REPO / "pyllama_dspark" / "libdspark_shim.so", into / "pyllama_dspark")
+    shutil.copy(_shim_path(), into / "pyllama_dspark")   # the one this checkout loads (installed or built here)
     return into
 
 
@@ -88,14 +90,20 @@ def main():
             def paired(x, y):
                 return round(statistics.median(p[0] / q[0] for p, q in zip(res[x], res[y])), 3)
 
+            def mean(x, y):   # the geometric mean: a rare costly run (a probe) counts, as over many runs
+                return round(statistics.geometric_mean(p[0] / q[0] for p, q in zip(res[x], res[y])), 3)
+
             row = dict(draft=draft, temp=float(temp), runs=len(res["N"]),
                        no_draft_tps=round(statistics.median(x[0] for x in res["N"]), 1),
                        a_paired=paired("A", "N"), b_paired=paired("B", "N"), b_over_a=paired("B", "A"),
+                       a_mean=mean("A", "N"), b_mean=mean("B", "N"), b_over_a_mean=mean("B", "A"),
                        a_drafted=[x[1] for x in res["A"]], b_drafted=[x[1] for x in res["B"]])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print_table(["draft", "T", "runs", "no draft tok/s", f"{a.rev_a} / no draft", f"{a.rev_b} / no draft", "B / A"],
-                rows, ["draft", "temp", "runs", "no_draft_tps", "a_paired", "b_paired", "b_over_a"])
+    print_table(["draft", "T", "runs", "no draft tok/s", f"{a.rev_a} / no draft", f"{a.rev_b} / no draft", "B / A",
+                 "A (mean)", "B (mean)", "B / A (mean)"],
+                rows, ["draft", "temp", "runs", "no_draft_tps", "a_paired", "b_paired", "b_over_a", "a_mean", "b_mean",
+                       "b_over_a_mean"])
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@
 
 Every (draft, temperature) cell runs each prompt as ``run`` (the default: auto schedule) and as
 ``run --no-draft``, each in its own process, back to back in an order rotated per prompt and repeat.
-Reported per cell: the median over runs of the generation's tok/s (the ``--json`` stats: prefill +
-decode, what ``run`` prints) as a ratio to no draft, the median of the paired ratios (each default
-run over the no-draft run of the same prompt and repeat, back to back), and the median wall time of
+Reported per cell: the median over runs of the generation's tok/s (the ``--json`` stats: the decode
+after the prompt's prefill, what ``run`` prints) as a ratio to no draft, the median and the geometric
+mean of the paired ratios (each default run over the no-draft run of the same prompt and repeat, back
+to back; a rare costly run, a probe, moves the mean, not the median), and the median wall time of
 the whole process (start-up and model loading included) as a ratio.  ``--fresh-memory`` deletes what auto learned
 (``learned-*.json`` in the cache) before each cell's first run, so the cell's first run starts cold
 (the oracle's first-run figure, one sample per cell); ``--cold`` deletes it before every default run,
@@ -68,6 +69,7 @@ def main():
                 forget()
             res = {"default": [], "no-draft": []}
             first = None
+            first_stats = []   # the first runs' drafted tokens and ms parts (what a cold start spent)
             k = 0
             for rep in range(a.repeats):
                 for text in texts:
@@ -79,9 +81,12 @@ def main():
                         args = ["-p", text, "-n", str(a.n), "--ignore-eos", "--temp", str(temp), "--seed", "1",
                                 "--json"] + (md if name == "default" else ["--no-draft"])
                         out, wall = run_cli(args)
-                        res[name].append((out["stats"]["tokens_per_second"], wall))
+                        res[name].append((out["stats"]["tokens_per_second"], wall, out["stats"].get("drafted", 0)))
                         if name == "default" and (first is None or a.cold):
                             first = (first or []) + [out["stats"]["tokens_per_second"]]
+                            st = out["stats"]
+                            first_stats.append(dict(drafted=st.get("drafted", 0),
+                                                    ms={k: round(v, 1) for k, v in st.get("ms", {}).items()}))
             # paired: each default run over the no-draft run of the same prompt and repeat, run back
             # to back (this machine's speed drifts by 10-20% over minutes, which a ratio of medians
             # over a cell's 12 runs each keeps)
@@ -92,12 +97,14 @@ def main():
                        no_draft_tps=round(base_tps, 1),
                        tps_ratio=round(statistics.median(x[0] for x in res["default"]) / base_tps, 3),
                        paired_ratio=round(statistics.median(paired), 3),
+                       paired_mean=round(statistics.geometric_mean(paired), 3),
                        wall_ratio=round(base_wall / statistics.median(x[1] for x in res["default"]), 3),
-                       first_run_ratio=round(statistics.median(first) / base_tps, 3))
+                       first_run_ratio=round(statistics.median(first) / base_tps, 3), first_runs=first_stats,
+                       drafted=[x[2] for x in res["default"]])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print_table(["draft", "T", "runs", "no draft tok/s", "default / no draft (tok/s)", "paired", "(wall, per process)",
-                 "first run"], rows, ["draft", "temp", "runs", "no_draft_tps", "tps_ratio", "paired_ratio", "wall_ratio",
+    print_table(["draft", "T", "runs", "no draft tok/s", "default / no draft (tok/s)", "paired", "paired (mean)", "(wall, per process)",
+                 "first run"], rows, ["draft", "temp", "runs", "no_draft_tps", "tps_ratio", "paired_ratio", "paired_mean", "wall_ratio",
                                       "first_run_ratio"])
 
 
@@ -106,7 +113,7 @@ def print_table(header, rows, keys):
     print("\n| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:
-        print("| " + " | ".join(f"{r[k]:.3f}" if k.endswith(("ratio", "paired", "over_a")) else str(r[k])
+        print("| " + " | ".join(f"{r[k]:.3f}" if k.endswith(("ratio", "paired", "over_a", "mean")) else str(r[k])
                                 for k in keys) + " |")
 
 
