@@ -25,7 +25,7 @@ draft, every fixed n) and against the physical limit max_l tau(l) t(1) / (t_draf
 t_draft(l) the measured pass of a block of l drafts.
 ``--auto-margins`` and ``--auto-bands`` add auto with another draft margin or explore band (0: no
 block tried off the plan), and ``--auto-set field=value`` auto with any other policy field set
-(``follow_speed=0``: cells not run lately keep the speed of their moment), as more columns of the
+(``probe_plan=0``: the full-block probe; comma-separated or the flag repeated, one column each), as more columns of the
 same run: an A/B measured side by side.
 
 Run it on an idle machine: llama.cpp's threads spin-wait.
@@ -340,8 +340,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (each run order drawn anew)")
     ap.add_argument("--auto-margins", default="", help="also run auto with these draft margins (A/B)")
     ap.add_argument("--auto-bands", default="", help="also run auto with these explore bands (A/B; 0: no exploring)")
-    ap.add_argument("--auto-set", default="",
-                    help="also run auto with these policy fields set, e.g. follow_speed=0 (A/B; comma-separated)")
+    ap.add_argument("--auto-set", action="append", default=[],
+                    help="also run auto with these policy fields set, e.g. probe_plan=0 (A/B; comma-separated or "
+                         "the flag repeated: each field=value one more column)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
@@ -371,7 +372,7 @@ def main():
         t0 = time.time()
         margins = [float(x) for x in a.auto_margins.split(",") if x]
         bands = [float(x) for x in a.auto_bands.split(",") if x]
-        variants = [(kv.split("=")[0], float(kv.split("=")[1])) for kv in a.auto_set.split(",") if kv]
+        variants = [(kv.split("=")[0], float(kv.split("=")[1])) for kv in ",".join(a.auto_set).split(",") if kv]
         res = sweep_target(path, Ps, fixed, rs, a.n, a.prompts, a.threads, log, repeats=a.repeats, margins=margins,
                            bands=bands, variants=variants)
         print_table(res, log)

@@ -11,7 +11,7 @@ What a probe loses is planned (the block's planned cycle over what plain decodin
 same time, plus a cold pass's extra when it is a process's first) and **measured**: its draft pass,
 the rows deferred since the last pass included, and its verify cycle, less what plain decoding
 would have taken for the tokens it emitted (:func:`ended`).  A probe in a fresh process of ``run``
-on SmolLM2 (the shipped drafter, T = 0) was planned at 9 ms and lost 15-25: the catch-up of every
+on SmolLM2 (the shipped drafter, T = 0) was planned at 9 ms and lost 15-27: the catch-up of every
 row since the prompt, the draft context's first decode and the target's first decode of that many
 rows in the process (18 ms for 3 rows against 15 on the curve).  Spaced on the plan, those probes
 came every ~150 cycles and cost ~2.5% of a 96-token run instead of 1%.  The spacing now reads the
