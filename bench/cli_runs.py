@@ -103,9 +103,10 @@ def main():
                        drafted=[x[2] for x in res["default"]])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print_table(["draft", "T", "runs", "no draft tok/s", "default / no draft (tok/s)", "paired", "paired (mean)", "(wall, per process)",
-                 "first run"], rows, ["draft", "temp", "runs", "no_draft_tps", "tps_ratio", "paired_ratio", "paired_mean", "wall_ratio",
-                                      "first_run_ratio"])
+    print_table(["draft", "T", "runs", "no draft tok/s", "default / no draft (tok/s)", "paired", "paired (mean)",
+                 "(wall, per process)", "first run"],
+                rows, ["draft", "temp", "runs", "no_draft_tps", "tps_ratio", "paired_ratio", "paired_mean", "wall_ratio",
+                       "first_run_ratio"])
 
 
 def print_table(header, rows, keys):

@@ -91,7 +91,8 @@ def state_of(p) -> dict:
     weight, the confidence correction's sums, the measured draft pass ms per R and per (R, block),
     the measured cycle costs per (R, rows) and over the curve per (R, drafting?) with their sample
     counts, what a cold first pass costs more, what probes measured to lose (:mod:`.probes`), the
-    probe back-off and the plain cycles since the last probe (probes are spaced across processes, not restarted in each)."""
+    probe back-off and the plain cycles since the last probe (probes are spaced across processes,
+    not restarted in each)."""
     out = dict(gamma=p.gamma, acc=p._acc.tolist(), n=p._n.tolist(), hit_sum=p._hit_sum.tolist(),
                conf_sum=p._conf_sum.tolist(), draft_ms={str(r): v for r, v in p._draft_ms.items()},
                draft_ms_n={f"{r}:{n}": v for (r, n), v in p._draft_ms_n.items()},
