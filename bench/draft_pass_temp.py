@@ -32,10 +32,10 @@ import numpy as np
 from pyllama_dspark.gguf.info import read_draft_info
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
 from pyllama_dspark.paths import random_draft_for
-from pyllama_dspark.spec import draft_sampling as ds
-from pyllama_dspark.spec.drafter import BlockRequest, DraftModelProposer
-from pyllama_dspark.spec.sampling import TokenSampler
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative import draft_sampling as ds
+from pyllama_dspark.speculative.drafter import BlockRequest, DraftModelProposer
+from pyllama_dspark.speculative.sampling import TokenSampler
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 CHAINS = {
     "default": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),

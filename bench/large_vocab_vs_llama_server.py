@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.gguf.target_writer import make_test_target
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 from pyllama_dspark.tools.llama_server import LlamaServer
 from pyllama_dspark.tools.llama_server_build import ensure_llama_server
 

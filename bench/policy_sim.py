@@ -1,5 +1,5 @@
 """Where ``auto`` loses to the best fixed block, without the machine's noise: the shipped policy
-(:class:`~pyllama_dspark.spec.policy.VerifyPolicy`, ``auto``) driven by a simulated machine.
+(:class:`~pyllama_dspark.speculative.policy.VerifyPolicy`, ``auto``) driven by a simulated machine.
 
     python bench/policy_sim.py [--json docs/where_dspark_pays_17b_xeon_curve3.json] [--p 0.3,...]
         [--samples 12] [-n 40] [--seeds 8] [--drift 0.1] [--noise 0.08] [--profile-speed 1.3]
@@ -35,8 +35,8 @@ import math
 
 import numpy as np
 
-from pyllama_dspark.spec.policy import VerifyPolicy
-from pyllama_dspark.spec.schedule import CostModel
+from pyllama_dspark.speculative.policy import VerifyPolicy
+from pyllama_dspark.speculative.schedule import CostModel
 
 GAMMA = 7
 INJECT_MS = (1.0, 7.0)   # accept + inject per plain / drafting cycle (the 1.7B's cycle parts: 6-8 ms)

@@ -35,8 +35,8 @@ import time
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from pyllama_dspark.spec.sampling import TokenSampler
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling import TokenSampler
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 CHAINS = {
     "default (k40 p.95 m.05 T.8)": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1),

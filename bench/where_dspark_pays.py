@@ -6,7 +6,7 @@
     python bench/where_dspark_pays.py --from-json a.json,b.json [--png out.png]
 
 For every target: the proposer is ``-md oracle:P``
-(:class:`~pyllama_dspark.spec.oracle.OracleDraft`: the target's greedy continuation, the full block
+(:class:`~pyllama_dspark.speculative.oracle.OracleDraft`: the target's greedy continuation, the full block
 of 7 drafts entirely right with probability P, else one wrong draft at a uniform position, a block
 of n its first n drafts; a real pass of a draft of the target's shape paid every time, its tokens
 discarded; no confidences). Configurations: no draft, fixed blocks n (``--schedule off --n-max n``;
@@ -49,10 +49,10 @@ from pyllama_dspark.llama.handles import ContextSettings
 from pyllama_dspark.llama.models import open_models
 from pyllama_dspark.paths import default_target
 from pyllama_dspark.prompts import load_prompts
-from pyllama_dspark.spec import costprofile
-from pyllama_dspark.spec.drafter import BlockRequest, DraftModelProposer
-from pyllama_dspark.spec.oracle import OracleDraft, greedy_reference
-from pyllama_dspark.spec.policy_factory import make_policy
+from pyllama_dspark.speculative import costprofile
+from pyllama_dspark.speculative.drafter import BlockRequest, DraftModelProposer
+from pyllama_dspark.speculative.oracle import OracleDraft, greedy_reference
+from pyllama_dspark.speculative.policy_factory import make_policy
 
 
 def expected_tau(P: float, ell: int, n: int = 7) -> float:

@@ -51,13 +51,13 @@ MUTMUT_VERSION = "3.8.1"
 # module -> (file, existing tests that exercise it: fast ones, no slow statistics where a faster
 # exact test covers the same lines)
 MODULES = {
-    "verify": ("spec/verify.py", ["test_sampling_rule.py", "test_sampling_native.py"]),
-    "dist": ("spec/dist.py", ["test_sampling_rule.py", "test_sampling_native.py"]),
-    "sampling_params": ("spec/sampling_params.py", ["test_sampling_chain.py"]),
-    "schedule": ("spec/schedule.py", ["test_schedule.py"]),
-    "policy": ("spec/policy.py", ["test_schedule.py"]),
-    "calibration": ("spec/calibration.py", ["test_schedule.py"]),
-    "draft_sampling": ("spec/draft_sampling.py", ["test_sampling_draft.py"]),
+    "verify": ("speculative/verify.py", ["test_sampling_rule.py", "test_sampling_native.py"]),
+    "dist": ("speculative/dist.py", ["test_sampling_rule.py", "test_sampling_native.py"]),
+    "sampling_params": ("speculative/sampling_params.py", ["test_sampling_chain.py"]),
+    "schedule": ("speculative/schedule.py", ["test_schedule.py"]),
+    "policy": ("speculative/policy.py", ["test_schedule.py"]),
+    "calibration": ("speculative/calibration.py", ["test_schedule.py"]),
+    "draft_sampling": ("speculative/draft_sampling.py", ["test_sampling_draft.py"]),
     # (tests/test_serve_units.py also reaches TextStream, but fails in the tree of this run: see the doc)
     "cycle": ("decode/cycle.py", ["test_engine_scenarios.py"]),
     "loop": ("decode/loop.py", ["test_engine_scenarios.py::test_rejection_at_every_position",

@@ -21,7 +21,7 @@ import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from llama_sampler_ref import LlamaChain
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 from test_sampling_rule import chi2_sf
 
 Law = Dict[Tuple[int, ...], float]

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pyllama_dspark.spec.costprofile import PROFILE_VERSION
+from pyllama_dspark.speculative.costprofile import PROFILE_VERSION
 
 # The automatic verification schedule (the default wherever a draft is used) reads this file
 # instead of measuring the machine: a flat, memory-bound-like curve with a free draft pass and
@@ -40,7 +40,7 @@ _install_test_cost_profile()
 # worker decodes on one thread (greedy_ref.TEST_THREADS reads this when the test modules import it)
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("PYLLAMA_DSPARK_TEST_THREADS", "1")
-# what auto learned is kept across processes (spec/policy_memory.py); in the suite, one test's runs
+# what auto learned is kept across processes (speculative/policy_memory.py); in the suite, one test's runs
 # must not steer another's: tests of the memory turn it on in their own subprocesses
 os.environ.setdefault("PYLLAMA_DSPARK_SCHEDULE_MEMORY", "0")
 

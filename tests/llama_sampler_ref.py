@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import numpy as np
 from llama_cpp import llama_cpp as ll
 
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(ll.llama_token_data)

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 
 def _open(job, **kw):

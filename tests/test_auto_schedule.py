@@ -26,13 +26,13 @@ import pytest
 from greedy_ref import TEST_THREADS
 from integration_refs import DSPARK_KW
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.spec.drafter import DraftModelProposer
-from pyllama_dspark.spec import costprofile
+from pyllama_dspark.speculative.drafter import DraftModelProposer
+from pyllama_dspark.speculative import costprofile
 from pyllama_dspark.llama.handles import ContextSettings
 from pyllama_dspark.llama.models import open_models
-from pyllama_dspark.spec.policy import VerifyPolicy
-from pyllama_dspark.spec.policy_factory import policy_for
-from pyllama_dspark.spec.schedule import CostModel
+from pyllama_dspark.speculative.policy import VerifyPolicy
+from pyllama_dspark.speculative.policy_factory import policy_for
+from pyllama_dspark.speculative.schedule import CostModel
 
 N_TOK = 40
 PROMPTS = ["Write a haiku about rain.", "What is 17 times 23?", "List three uses of copper."]
@@ -133,7 +133,7 @@ def test_auto_drafts_where_it_pays_oracle(target_path, greedy_refs, llama_refs, 
     """An oracle right 9 blocks in 10 pays on the CPU-like curve: auto verifies long prefixes, at
     R = 1 and with 4 sequences in one batch."""
     from pyllama_dspark.decode.loop import Decoder
-    from pyllama_dspark.spec.oracle import OracleSet
+    from pyllama_dspark.speculative.oracle import OracleSet
 
     prompts = [greedy_refs[p][0] for p in PROMPTS] + [greedy_refs[PROMPTS[0]][0]]
     refs = [greedy_refs[p][1] for p in PROMPTS] + [greedy_refs[PROMPTS[0]][1]]

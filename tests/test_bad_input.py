@@ -26,7 +26,7 @@ LONG_TEXT = "Alice counted her apples: one, two, three, four, five, six, seven, 
 SCRIPT = textwrap.dedent(r"""
     import json, os, sys
     from pyllama_dspark import Speculator
-    from pyllama_dspark.spec.sampling_params import SamplingParams
+    from pyllama_dspark.speculative.sampling_params import SamplingParams
     from pyllama_dspark.gguf.testing import make_test_draft
     target, draft, work, LONG_TEXT = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 

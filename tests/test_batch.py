@@ -10,10 +10,10 @@ from pyllama_dspark.decode.cycle import Started
 from pyllama_dspark.decode.loop import Decoder
 from pyllama_dspark.llama.draft_meta import read_draft_meta
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
-from pyllama_dspark.spec.oracle import OracleProposer
-from pyllama_dspark.spec.policy import VerifyPolicy
+from pyllama_dspark.speculative.oracle import OracleProposer
+from pyllama_dspark.speculative.policy import VerifyPolicy
 from pyllama_dspark.prompts import load_prompts
-from pyllama_dspark.spec.schedule import CostModel
+from pyllama_dspark.speculative.schedule import CostModel
 
 THREADS = TEST_THREADS
 R = 3
@@ -138,7 +138,7 @@ def test_batched_sampling_follows_the_targets_law(target_path, refs):
     import pyllama_dspark
     from block_law import pit_values, uniform_chi2
     from greedy_ref import LLAMA_KW
-    from pyllama_dspark.spec.sampling_params import SamplingParams
+    from pyllama_dspark.speculative.sampling_params import SamplingParams
 
     draft = os.path.join(os.path.dirname(pyllama_dspark.__file__), "data", "SmolLM2-135M-Instruct-DSpark.gguf")
     base = SamplingParams(temperature=0.8, top_k=8, top_p=1.0, min_p=0.0)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_dspark.spec import costprofile
+from pyllama_dspark.speculative import costprofile
 
 from cli_runner import ROOT, cli
 GSM8K = ROOT / "pyllama_dspark" / "data" / "prompts" / "gsm8k.jsonl"

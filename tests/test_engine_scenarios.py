@@ -12,9 +12,9 @@ import pytest
 
 from greedy_ref import greedy, open_llama, TEST_THREADS
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.spec.drafter import NoDraft
-from pyllama_dspark.spec.oracle import OracleProposer
-from pyllama_dspark.spec.verify import greedy_accept, greedy_emitted
+from pyllama_dspark.speculative.drafter import NoDraft
+from pyllama_dspark.speculative.oracle import OracleProposer
+from pyllama_dspark.speculative.verify import greedy_accept, greedy_emitted
 
 THREADS = TEST_THREADS
 

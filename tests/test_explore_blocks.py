@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyllama_dspark.spec.policy import EXPLORE_BAND, EXPLORE_SAMPLES, VerifyPolicy
-from pyllama_dspark.spec.schedule import CostModel
+from pyllama_dspark.speculative.policy import EXPLORE_BAND, EXPLORE_SAMPLES, VerifyPolicy
+from pyllama_dspark.speculative.schedule import CostModel
 
 
 def t(b):

@@ -94,7 +94,7 @@ if sys.argv[1] == "no-parse":
         raise AssertionError("parsed a GGUF")
     gguf.GGUFReader.__init__ = refuse
 import pyllama_dspark.paths  # noqa: F401
-from pyllama_dspark.spec.draft_sampling import read_conf_head, read_d2t
+from pyllama_dspark.speculative.draft_sampling import read_conf_head, read_d2t
 c = read_conf_head(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
 print(json.dumps({"w": list(c.w_h) + list(c.w_r), "b": c.b, "d2t": read_d2t(sys.argv[2]).tolist()}))
 """

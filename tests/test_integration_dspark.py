@@ -19,7 +19,7 @@ from first_tokens_law import law_check, two_token_law
 from pyllama_dspark.integrations.dspark import DSpark
 from pyllama_dspark.decode.cycle import Done
 from pyllama_dspark.errors import ClosedError, ContextOverflowError
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 TIMING_KEYS = {"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
                "predicted_per_second", "draft_n", "draft_n_accepted"}

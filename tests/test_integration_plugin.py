@@ -20,7 +20,7 @@ import pytest
 from integration_refs import (N_TOKENS, THREADS, chat_cases, content, greedy_chat, open_llama,
                               streamed_content)
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.spec.drafter import DraftModelProposer
+from pyllama_dspark.speculative.drafter import DraftModelProposer
 from pyllama_dspark.errors import ClosedError, ModelFileError
 from pyllama_dspark.integrations.llama_plugin import DSparkDraftModel
 from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams

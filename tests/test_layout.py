@@ -10,7 +10,7 @@ import pyllama_dspark
 
 PKG = Path(pyllama_dspark.__file__).resolve().parent
 # README "Architecture": the layers, bottom up (same rank: side by side, never importing each other)
-RANK = {"errors": 0, "gguf": 1, "paths": 2, "prompts": 2, "llama": 2, "interop": 2, "spec": 3, "decode": 4,
+RANK = {"errors": 0, "gguf": 1, "paths": 2, "prompts": 2, "llama": 2, "interop": 2, "speculative": 3, "decode": 4,
         "integrations": 5, "serve": 5, "tools": 5, "training": 5, "cli": 6, "__init__": 7}
 MAX_LINES = 500
 
@@ -100,6 +100,6 @@ def test_only_the_loop_calls_the_accept_rules():
             if isinstance(node, ast.Call):
                 f = node.func
                 name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-                if name in ("greedy_accept", "speculative_accept") and mod != "pyllama_dspark.spec.verify":
+                if name in ("greedy_accept", "speculative_accept") and mod != "pyllama_dspark.speculative.verify":
                     callers.add(mod)
     assert callers == {"pyllama_dspark.decode.loop"}, callers

@@ -17,7 +17,7 @@ import pytest
 
 from greedy_ref import explain_mismatch, TEST_THREADS
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.spec.oracle import OracleProposer
+from pyllama_dspark.speculative.oracle import OracleProposer
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 

@@ -1,5 +1,5 @@
 """The T > 0 draft's Markov re-conditioning computed only where the chain can keep a token
-(spec/draft_sampling.MarkovDelta on the shim's ``dspark_markov_candidates``) against the whole
+(speculative/draft_sampling.MarkovDelta on the shim's ``dspark_markov_candidates``) against the whole
 vocabulary in numpy: base logits + the full bias ``scale W2 . (W1[x] - W1[a])`` (float64, from the
 weights as written), then the chain (``chain_dist_numpy``; the greedy pick by hand).  The q row must
 be the same distribution: ids identical, probabilities within 1e-5.
@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from pyllama_dspark.llama.handles import MarkovHead
-from pyllama_dspark.spec.chain import apply_penalties, chain_dist_numpy
-from pyllama_dspark.spec.draft_sampling import BlockSampler
-from pyllama_dspark.spec.sampling import TokenSampler
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.chain import apply_penalties, chain_dist_numpy
+from pyllama_dspark.speculative.draft_sampling import BlockSampler
+from pyllama_dspark.speculative.sampling import TokenSampler
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 V = 32768
 LIFT_A, LIFT_X, LIFT_V = 11, 12, 20001   # W1[LIFT_X] - W1[LIFT_A] points along W2[LIFT_V] (f32 head)

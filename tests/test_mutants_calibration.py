@@ -1,4 +1,4 @@
-"""Mutation-score tests for spec/calibration.py: the file format, the draft binding (hashlib as the
+"""Mutation-score tests for speculative/calibration.py: the file format, the draft binding (hashlib as the
 reference) and the record arrays, by hand."""
 
 import hashlib
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pyllama_dspark.errors import DSparkError
-from pyllama_dspark.spec.calibration import (CALIBRATION_VERSION, Calibration, file_sha256, fit, load_calibration,
+from pyllama_dspark.speculative.calibration import (CALIBRATION_VERSION, Calibration, file_sha256, fit, load_calibration,
                                              records_to_arrays)
 
 

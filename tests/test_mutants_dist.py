@@ -1,10 +1,10 @@
-"""Mutation-score tests for spec/dist.py: sparse rows and inverse-CDF draws against hand-computed
+"""Mutation-score tests for speculative/dist.py: sparse rows and inverse-CDF draws against hand-computed
 values and numpy's own cumsum/searchsorted law."""
 
 import numpy as np
 import pytest
 
-from pyllama_dspark.spec.dist import Dist, sample_from
+from pyllama_dspark.speculative.dist import Dist, sample_from
 
 
 def test_dist_lookup_dense_and_one_hot():

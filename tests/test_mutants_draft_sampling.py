@@ -1,4 +1,4 @@
-"""Mutation-score tests for spec/draft_sampling.py: the confidence head, the bias delta, the
+"""Mutation-score tests for speculative/draft_sampling.py: the confidence head, the bias delta, the
 left-to-right block sampler (fake draft / Markov head / sampler with scripted draws) and the
 GGUF readers (files written with the gguf package), against hand-computed values."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pyllama_dspark.errors import DraftMismatchError
-from pyllama_dspark.spec.draft_sampling import (CONDITIONING, BlockSampler, ConfHead, bias_delta, read_conf_head,
+from pyllama_dspark.speculative.draft_sampling import (CONDITIONING, BlockSampler, ConfHead, bias_delta, read_conf_head,
                                                 read_d2t)
 
 

@@ -11,11 +11,11 @@ import pytest
 
 from greedy_ref import TEST_THREADS, greedy, open_llama
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.spec.drafter import NoDraft
-from pyllama_dspark.spec.oracle import OracleProposer
-from pyllama_dspark.spec.policy import VerifyPolicy
-from pyllama_dspark.spec.sampling_params import SamplingParams
-from pyllama_dspark.spec.schedule import CostModel
+from pyllama_dspark.speculative.drafter import NoDraft
+from pyllama_dspark.speculative.oracle import OracleProposer
+from pyllama_dspark.speculative.policy import VerifyPolicy
+from pyllama_dspark.speculative.sampling_params import SamplingParams
+from pyllama_dspark.speculative.schedule import CostModel
 
 
 @pytest.fixture(scope="module")

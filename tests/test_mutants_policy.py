@@ -1,4 +1,4 @@
-"""Mutation-score tests for spec/policy.py: VerifyPolicy's running estimates, probes and cuts, and
+"""Mutation-score tests for speculative/policy.py: VerifyPolicy's running estimates, probes and cuts, and
 policy_for, against values worked out by hand (numbers in the comments)."""
 
 import math
@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from pyllama_dspark.spec.policy import ACC_FLOOR, COST_MODES, MODES, VerifyPolicy
-from pyllama_dspark.spec.policy_factory import policy_for
-from pyllama_dspark.spec.schedule import CostModel
+from pyllama_dspark.speculative.policy import ACC_FLOOR, COST_MODES, MODES, VerifyPolicy
+from pyllama_dspark.speculative.policy_factory import policy_for
+from pyllama_dspark.speculative.schedule import CostModel
 
 FLAT = CostModel([10.0] * 16)
 NEVER = CostModel([10.0, 100.0], [50.0])        # one more verified token costs 90 ms: never pays
@@ -529,7 +529,7 @@ def test_draft_length_is_the_block_that_pays_most(acc0, draft_full):
     """A memory-bound-like curve t(B) = 10 + (B - 1) ms: each verified row costs 1 ms, so every
     admitted draft pays and the best block trades its acceptance against its pass
     (0.05 fixed + 0.95 per drafted row of the full block's time)."""
-    from pyllama_dspark.spec.policy import DRAFT_FIXED_SHARE
+    from pyllama_dspark.speculative.policy import DRAFT_FIXED_SHARE
 
     assert DRAFT_FIXED_SHARE == 0.05
     t = lambda b: 10.0 + (b - 1)   # noqa: E731

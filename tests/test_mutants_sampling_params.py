@@ -1,9 +1,9 @@
-"""Mutation-score tests for spec/sampling_params.py: llama.cpp's defaults and every check, by hand."""
+"""Mutation-score tests for speculative/sampling_params.py: llama.cpp's defaults and every check, by hand."""
 
 import numpy as np
 import pytest
 
-from pyllama_dspark.spec.sampling_params import LLAMA_DEFAULT_SEED, SamplingParams, resolve_seed
+from pyllama_dspark.speculative.sampling_params import LLAMA_DEFAULT_SEED, SamplingParams, resolve_seed
 
 
 def test_llama_cpp_defaults_and_helpers():

@@ -1,4 +1,4 @@
-"""Mutation-score tests for spec/schedule.py: the cost curve, the cuts, Algorithm 1 and the
+"""Mutation-score tests for speculative/schedule.py: the cost curve, the cuts, Algorithm 1 and the
 calibration statistics on cases computed by hand (numbers worked out in the comments)."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from pyllama_dspark.spec.schedule import (DEFAULT_GRID, CostModel, _can_pay, _candidates, apply_sts, calibration_report,
+from pyllama_dspark.speculative.schedule import (DEFAULT_GRID, CostModel, _can_pay, _candidates, apply_sts, calibration_report,
                                           ece, fit_sts, joint_labels, retrospective_schedule, roc_auc, schedule,
                                           should_draft, static_cut, survival, survival_cut)
 

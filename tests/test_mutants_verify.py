@@ -1,11 +1,11 @@
-"""Mutation-score tests for spec/verify.py: the accept rules against hand-computed values
+"""Mutation-score tests for speculative/verify.py: the accept rules against hand-computed values
 (exact laws on tiny vocabularies, scripted uniforms), no llama.cpp."""
 
 import numpy as np
 import pytest
 
-from pyllama_dspark.spec.dist import Dist
-from pyllama_dspark.spec.verify import greedy_accept, greedy_emitted, residual, speculative_accept
+from pyllama_dspark.speculative.dist import Dist
+from pyllama_dspark.speculative.verify import greedy_accept, greedy_emitted, residual, speculative_accept
 
 
 def _u(*values):

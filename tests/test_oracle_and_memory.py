@@ -25,7 +25,7 @@ import pytest
 
 from greedy_ref import TEST_THREADS
 from cli_runner import cli
-from pyllama_dspark.spec import costprofile
+from pyllama_dspark.speculative import costprofile
 
 PROMPT = "The capital of France is"
 
@@ -41,7 +41,7 @@ def _prompt_ids(llama_refs):
 
 def test_greedy_reference_is_llama_greedy(target_path, llama_refs):
     from pyllama_dspark.decode.api import Speculator
-    from pyllama_dspark.spec.oracle import greedy_reference
+    from pyllama_dspark.speculative.oracle import greedy_reference
 
     prompt = _prompt_ids(llama_refs)
     with Speculator(target_path, None, n_ctx=512, n_threads=TEST_THREADS, schedule="off") as sp:
@@ -63,8 +63,8 @@ def test_run_oracle_is_lossless_drafts_and_pays_a_draft_pass(target_path, llama_
 
 def test_oracle_draft_pass_is_real_and_reports_no_confidence(target_path, llama_refs):
     from pyllama_dspark.decode.api import Speculator
-    from pyllama_dspark.spec.drafter import BlockRequest
-    from pyllama_dspark.spec.oracle import OracleDraft
+    from pyllama_dspark.speculative.drafter import BlockRequest
+    from pyllama_dspark.speculative.oracle import OracleDraft
 
     prompt = _prompt_ids(llama_refs)
     ref = llama_refs.greedy(prompt, 16)
@@ -102,7 +102,7 @@ def test_planted_error_law():
     0..B-1, is wrong; a request for n < B drafts is the block's prefix, right with probability
     P + (1 - P)(B - n)/B, its wrong draft uniform over 0..n-1 (the law, not the code, gives the
     expected counts)."""
-    from pyllama_dspark.spec.oracle import OracleProposer
+    from pyllama_dspark.speculative.oracle import OracleProposer
 
     ref = list(range(100, 140))
     n_blocks, B = 4000, 7
@@ -128,7 +128,7 @@ def test_planted_error_law():
 def test_a_shorter_request_is_the_full_blocks_prefix():
     """Same seed, same blocks: asking for n drafts gives the first n of what asking for all 7 gives
     (a block drafter's first drafts do not depend on the verify length)."""
-    from pyllama_dspark.spec.oracle import OracleProposer
+    from pyllama_dspark.speculative.oracle import OracleProposer
 
     ref = list(range(100, 400))
     full = OracleProposer(ref, 1000, block_size=7, p_error=0.6, seed=5)
@@ -201,9 +201,9 @@ def test_memory_carries_what_auto_learned_to_the_next_process(target_path, llama
 
 
 def test_memory_ignores_a_damaged_file(target_path, llama_refs, tmp_path):
-    from pyllama_dspark.spec import policy_memory
-    from pyllama_dspark.spec.policy import VerifyPolicy
-    from pyllama_dspark.spec.schedule import CostModel
+    from pyllama_dspark.speculative import policy_memory
+    from pyllama_dspark.speculative.policy import VerifyPolicy
+    from pyllama_dspark.speculative.schedule import CostModel
 
     f = tmp_path / "learned.json"
     for text in ("not json", json.dumps([1, 2]), json.dumps({"version": 99, "state": {}}),

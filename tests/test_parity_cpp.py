@@ -30,7 +30,7 @@ from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.tools.dflash_mode import dflash_mode_draft
 from pyllama_dspark.tools.llama_server import LlamaServer
 from pyllama_dspark.tools.llama_server_build import ensure_llama_server
-from pyllama_dspark.spec.policy import VerifyPolicy
+from pyllama_dspark.speculative.policy import VerifyPolicy
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 

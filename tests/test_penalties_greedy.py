@@ -30,8 +30,8 @@ from pyllama_dspark.decode.loop import Decoder
 from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.llama.draft_meta import read_draft_meta
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
-from pyllama_dspark.spec.oracle import OracleProposer
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.oracle import OracleProposer
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 PENALTY = 1.3
 N = 16

@@ -28,7 +28,7 @@ import pytest
 from first_tokens_law import law_check, two_token_law
 from greedy_ref import TEST_THREADS
 from serve_helpers import SESSION, ServeProcess, free_port
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 from pyllama_dspark.tools.llama_server import LlamaServer
 from pyllama_dspark.tools.llama_server_build import ensure_llama_server
 from pyllama_dspark.tools.rpc_build import ensure_rpc

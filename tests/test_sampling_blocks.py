@@ -33,7 +33,7 @@ import pytest
 import pyllama_dspark
 from block_law import cell_of_text, chi2_cells, chi2_law, exact_law, text_law
 from greedy_ref import open_llama, TEST_THREADS
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 from test_sampling_rule import chi2_sf
 
 THREADS = TEST_THREADS
@@ -172,7 +172,7 @@ def test_block_law_batched_decoder(target_path, laws):
     from pyllama_dspark.decode.cycle import Chunk
     from pyllama_dspark.llama.draft_meta import read_draft_meta
     from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
-    from pyllama_dspark.spec.policy import VerifyPolicy
+    from pyllama_dspark.speculative.policy import VerifyPolicy
 
     n_seq = 3
     draft = shipped_draft()

@@ -11,9 +11,9 @@ import pytest
 
 from llama_sampler_ref import LlamaChain
 from pyllama_dspark.llama.handles import ContextSettings, Target
-from pyllama_dspark.spec.chain import chain_probs
-from pyllama_dspark.spec.sampling import TokenSampler
-from pyllama_dspark.spec.sampling_params import SamplingParams, resolve_seed
+from pyllama_dspark.speculative.chain import chain_probs
+from pyllama_dspark.speculative.sampling import TokenSampler
+from pyllama_dspark.speculative.sampling_params import SamplingParams, resolve_seed
 
 PARAMS = [
     SamplingParams(),                                                        # llama.cpp defaults

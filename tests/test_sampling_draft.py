@@ -18,12 +18,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyllama_dspark.spec.drafter import DraftModelProposer
+from pyllama_dspark.speculative.drafter import DraftModelProposer
 from pyllama_dspark.gguf.reader import read_gguf
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
-from pyllama_dspark.spec.chain import chain_probs
-from pyllama_dspark.spec.sampling import TokenSampler
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.chain import chain_probs
+from pyllama_dspark.speculative.sampling import TokenSampler
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 from pyllama_dspark.gguf.info import read_draft_info
 from test_sampling_rule import chi2_pvalue
 
@@ -141,7 +141,7 @@ def test_confidence_uses_the_sampled_token(block, dspark_draft_path):
 
 
 def test_bias_delta_scatters_reduced_vocab_rows():
-    from pyllama_dspark.spec.draft_sampling import bias_delta
+    from pyllama_dspark.speculative.draft_sampling import bias_delta
 
     a, x = np.array([1.0, 2.0, 3.0], dtype=np.float32), np.array([0.5, 4.0, 3.0], dtype=np.float32)
     np.testing.assert_array_equal(bias_delta(a, x, None, 3), [-0.5, 2.0, 0.0])

@@ -39,8 +39,8 @@ from llama_cpp import llama_cpp as ll
 from greedy_ref import open_llama, TEST_THREADS
 from llama_sampler_ref import LlamaChain
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.spec.oracle import TableOracleProposer
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.oracle import TableOracleProposer
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 from test_sampling_rule import chi2_sf
 
 N_ORACLE = int(os.environ.get("PYLLAMA_DSPARK_E2E_SAMPLES", "1000"))
@@ -238,7 +238,7 @@ def test_scheduled_sampling_first_two_tokens_match_plain_sampling(target_path, d
     placed so that the single draft is verified on as close to half of the cycles as the few
     values of t1 allow (the confidence depends on t1) and dropped on the others, leaves the law
     of (t1, t2) unchanged."""
-    from pyllama_dspark.spec.policy import VerifyPolicy
+    from pyllama_dspark.speculative.policy import VerifyPolicy
 
     class Counting(VerifyPolicy):
         def lengths(self, confs, n_drafted):

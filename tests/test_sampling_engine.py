@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from first_tokens_law import law_check, two_token_law
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.cli.main import main
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 THREADS = TEST_THREADS
 T1 = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05, seed=5)

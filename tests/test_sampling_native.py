@@ -18,11 +18,11 @@ from greedy_ref import TEST_THREADS
 from llama_sampler_ref import LlamaChain
 from pyllama_dspark.llama import _native as nat
 from pyllama_dspark.errors import NativeError
-from pyllama_dspark.spec.chain import chain_dist
-from pyllama_dspark.spec.dist import Dist, sample_from
-from pyllama_dspark.spec.sampling import TokenSampler
-from pyllama_dspark.spec.sampling_params import SamplingParams
-from pyllama_dspark.spec.verify import residual, speculative_accept
+from pyllama_dspark.speculative.chain import chain_dist
+from pyllama_dspark.speculative.dist import Dist, sample_from
+from pyllama_dspark.speculative.sampling import TokenSampler
+from pyllama_dspark.speculative.sampling_params import SamplingParams
+from pyllama_dspark.speculative.verify import residual, speculative_accept
 from test_sampling_rule import P1, Q1, P_MIN, chi2_pvalue
 
 VOCABS = [49152, 151936, 262144]

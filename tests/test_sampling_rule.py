@@ -12,8 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from pyllama_dspark.spec.dist import sample_from
-from pyllama_dspark.spec.verify import speculative_accept
+from pyllama_dspark.speculative.dist import sample_from
+from pyllama_dspark.speculative.verify import speculative_accept
 
 P_MIN = 1e-3
 
@@ -208,7 +208,7 @@ def _cut_or_verify(rng, cut_rule: bool):
 
 
 def test_a_block_cut_before_a_doomed_draft_still_emits_p():
-    """The grammar cut (spec/verify.py ``cut_q``): the emitted law stays p exactly; without the
+    """The grammar cut (speculative/verify.py ``cut_q``): the emitted law stays p exactly; without the
     residual rule at the cut (the bonus drawn from p) it moves by q(doomed) * (p - residual)."""
     rng = np.random.default_rng(11)
     n = 200_000

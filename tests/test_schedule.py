@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyllama_dspark.spec.schedule import (
+from pyllama_dspark.speculative.schedule import (
     CostModel, apply_sts, calibration_report, ece, fit_sts, joint_labels, retrospective_schedule, roc_auc,
     schedule, should_draft, static_cut, survival, survival_cut,
 )
@@ -167,7 +167,7 @@ def test_sts_recovers_overconfidence():
 
 
 def test_calibration_file_is_bound_to_the_draft(tmp_path):
-    from pyllama_dspark.spec.calibration import fit, load_calibration, reliability_png
+    from pyllama_dspark.speculative.calibration import fit, load_calibration, reliability_png
     from pyllama_dspark.errors import DSparkError
 
     rng = np.random.default_rng(1)
@@ -197,7 +197,7 @@ def test_calibration_file_is_bound_to_the_draft(tmp_path):
 # ---- the policy's running estimates (pure: no model) ------------------------------------------------
 
 def test_policy_learns_draft_cost_and_acceptance_and_backs_off_probes():
-    from pyllama_dspark.spec.policy import VerifyPolicy
+    from pyllama_dspark.speculative.policy import VerifyPolicy
 
     linear = CostModel([10.0 * b for b in range(1, 33)], draft_ms=[50.0])
     pol = VerifyPolicy(mode="profiled", cost=linear, probe_every=4, probe_budget=1.0)
@@ -219,7 +219,7 @@ def test_policy_learns_draft_cost_and_acceptance_and_backs_off_probes():
 
 
 def test_probes_stay_within_their_time_budget_and_verify_a_token():
-    from pyllama_dspark.spec.policy import VerifyPolicy
+    from pyllama_dspark.speculative.policy import VerifyPolicy
 
     # verifying b rows costs 10 + b ms, a draft pass 50 ms (the profile's: learn_costs off)
     cost = CostModel([10.0 + b for b in range(1, 33)], draft_ms=[50.0])
@@ -241,7 +241,7 @@ def test_probes_stay_within_their_time_budget_and_verify_a_token():
 
 
 def test_policy_online_correction_of_overconfident_heads():
-    from pyllama_dspark.spec.policy import VerifyPolicy
+    from pyllama_dspark.speculative.policy import VerifyPolicy
 
     flat = CostModel([10.0 + 0.01 * b for b in range(32)], draft_ms=[0.0])
     pol = VerifyPolicy(mode="profiled", cost=flat)

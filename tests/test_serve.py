@@ -276,7 +276,7 @@ def _first_token_law(refs, prompt, **params):
     from llama_cpp import llama_cpp as ll
 
     from llama_sampler_ref import LlamaChain
-    from pyllama_dspark.spec.sampling_params import SamplingParams
+    from pyllama_dspark.speculative.sampling_params import SamplingParams
 
     llm = refs.llm
     llm.reset()

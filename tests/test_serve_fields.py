@@ -35,7 +35,7 @@ from pyllama_dspark.serve.oai_request import (RequestError, check_grammar, gramm
 from pyllama_dspark.serve.routes_misc import detokenize_body, slots_body, tokenize_body
 from pyllama_dspark.serve.server import LLAMA_SERVER_SAMPLING, Serving, ServerConfig
 from pyllama_dspark.serve.slots import Job
-from pyllama_dspark.spec.logprobs import TokenProb
+from pyllama_dspark.speculative.logprobs import TokenProb
 from serve_helpers import SESSION, ServeProcess, free_port, sse_events
 
 FLOAT_LOWEST = -3.4028234663852886e+38      # std::numeric_limits<float>::lowest(): llama-server's log(0)
@@ -137,8 +137,8 @@ def test_constraint_precedence_is_llama_servers(kind, body, grammar, schema):
 
 @pytest.fixture
 def fake_grammar(monkeypatch):
-    """A stand-in pyllama_dspark.spec.grammar: the parsing side is tested without the engine's."""
-    mod = types.ModuleType("pyllama_dspark.spec.grammar")
+    """A stand-in pyllama_dspark.speculative.grammar: the parsing side is tested without the engine's."""
+    mod = types.ModuleType("pyllama_dspark.speculative.grammar")
 
     class GrammarError(ValueError):
         pass
@@ -161,8 +161,8 @@ def fake_grammar(monkeypatch):
         return "SCHEMA " + json.dumps(schema, sort_keys=True)
 
     mod.GrammarError, mod.Grammar, mod.schema_to_gbnf, mod.JSON_OBJECT_GBNF = GrammarError, Grammar, schema_to_gbnf, "OBJ"
-    monkeypatch.setitem(sys.modules, "pyllama_dspark.spec.grammar", mod)
-    import pyllama_dspark.spec as spec_pkg
+    monkeypatch.setitem(sys.modules, "pyllama_dspark.speculative.grammar", mod)
+    import pyllama_dspark.speculative as spec_pkg
     monkeypatch.setattr(spec_pkg, "grammar", mod, raising=False)
     return compiled
 

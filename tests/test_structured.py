@@ -19,8 +19,8 @@ from first_tokens_law import law_check, two_token_law
 from greedy_ref import TEST_THREADS
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.paths import default_draft
-from pyllama_dspark.spec.grammar import schema_to_gbnf
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.grammar import schema_to_gbnf
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 N = 40
 PROMPTS = ["Is the sea salty? Answer and explain.", "List three animals that live in the ocean."]

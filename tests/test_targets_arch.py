@@ -34,7 +34,7 @@ import pytest
 
 from greedy_ref import first_divergence, greedy, top2_margin
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.spec.oracle import OracleProposer
+from pyllama_dspark.speculative.oracle import OracleProposer
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.gguf.router_margins import router_margins
 from pyllama_dspark.gguf.target_archs import ARCH_SPECS

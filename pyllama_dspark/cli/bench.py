@@ -51,7 +51,7 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
     from pyllama_dspark.cli.common import default_target, load_prompt_items
     from pyllama_dspark.paths import random_draft_for
 
-    from pyllama_dspark.spec.oracle import parse_oracle
+    from pyllama_dspark.speculative.oracle import parse_oracle
 
     try:
         oracle = parse_oracle(draft) is not None
@@ -75,7 +75,7 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
         raise click.BadParameter("must be >= 0", param_hint="--temp")
     sampling = None
     if temp > 0:
-        from pyllama_dspark.spec.sampling_params import SamplingParams
+        from pyllama_dspark.speculative.sampling_params import SamplingParams
 
         sampling = SamplingParams(temperature=temp, seed=seed)
     target = model or default_target()

@@ -7,7 +7,7 @@ from typing import Optional
 import click
 
 from pyllama_dspark import paths
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 _D = SamplingParams()   # llama.cpp's defaults: stated once, in SamplingParams
 

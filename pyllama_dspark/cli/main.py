@@ -69,8 +69,8 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
         raise click.BadParameter("must be >= 1", param_hint="-n")
     from pyllama_dspark.decode.api import Speculator
     from pyllama_dspark.decode.cycle import Chunk
-    from pyllama_dspark.spec.oracle import parse_oracle
-    from pyllama_dspark.spec.policy_factory import pick_mode
+    from pyllama_dspark.speculative.oracle import parse_oracle
+    from pyllama_dspark.speculative.policy_factory import pick_mode
 
     try:
         oracle = parse_oracle(draft) is not None

@@ -63,7 +63,7 @@ def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output
     """Measure this machine's cost curve: target decode ms per verify batch B, draft block, overhead."""
     from tqdm import tqdm
 
-    from pyllama_dspark.spec import costprofile
+    from pyllama_dspark.speculative import costprofile
     from pyllama_dspark.decode.api import Speculator
 
     target = _target_path(model)
@@ -100,7 +100,7 @@ def calibrate_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit,
     from tqdm import tqdm
 
     from pyllama_dspark.decode.loop import Decoder
-    from pyllama_dspark.spec.calibration import fit, reliability_png
+    from pyllama_dspark.speculative.calibration import fit, reliability_png
     from pyllama_dspark.llama.chat import build_chat_prompt
     from pyllama_dspark.llama.models import open_models
     from pyllama_dspark.prompts import load_prompts
@@ -183,8 +183,8 @@ def check_schedule_options(has_draft: bool, schedule: Optional[str], calibration
 def make_policy(sp, schedule: Optional[str], conf_min: Optional[float], p_survival_min: Optional[float],
                 calibration: Optional[str], profile_path: Optional[str], gamma: int = 7, regime: str = "any"):
     """The VerifyPolicy of an open Speculator from the command-line options (None: fixed blocks),
-    through the one factory (:func:`~pyllama_dspark.spec.policy_factory.make_policy`)."""
-    from pyllama_dspark.spec.policy_factory import make_policy as factory
+    through the one factory (:func:`~pyllama_dspark.speculative.policy_factory.make_policy`)."""
+    from pyllama_dspark.speculative.policy_factory import make_policy as factory
 
     check_schedule_options(sp.draft is not None, schedule, calibration, profile_path)
     try:
@@ -225,10 +225,10 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
     from pyllama_dspark.llama.chat import build_chat_prompt
     from pyllama_dspark.llama.models import open_models
     from pyllama_dspark.prompts import load_prompts
-    from pyllama_dspark.spec import costprofile
-    from pyllama_dspark.spec.drafter import DraftModelProposer
-    from pyllama_dspark.spec.oracle import OracleDraft, parse_oracle
-    from pyllama_dspark.spec.policy_factory import make_policy as factory
+    from pyllama_dspark.speculative import costprofile
+    from pyllama_dspark.speculative.drafter import DraftModelProposer
+    from pyllama_dspark.speculative.oracle import OracleDraft, parse_oracle
+    from pyllama_dspark.speculative.policy_factory import make_policy as factory
 
     target_p = _target_path(model)
     try:

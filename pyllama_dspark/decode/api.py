@@ -14,19 +14,19 @@ import os
 from typing import Iterator, List, Optional, Sequence, Union
 
 from pyllama_dspark.errors import DSparkError
-from pyllama_dspark.spec import costprofile
+from pyllama_dspark.speculative import costprofile
 from pyllama_dspark.llama.chat import build_chat_prompt
-from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, Proposer, check_n_max, clamp_n_max
+from pyllama_dspark.speculative.drafter import DraftModelProposer, NoDraft, Proposer, check_n_max, clamp_n_max
 from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.llama.models import open_models
 from pyllama_dspark.llama.handles import ContextSettings, Owned
 from pyllama_dspark.llama.rpc import parse_endpoints
-from pyllama_dspark.spec import policy_memory
-from pyllama_dspark.spec.oracle import OracleDraft, parse_oracle
-from pyllama_dspark.spec.policy import VerifyPolicy
-from pyllama_dspark.spec.policy_factory import make_policy
-from pyllama_dspark.spec.sampling import SamplingParams
+from pyllama_dspark.speculative import policy_memory
+from pyllama_dspark.speculative.oracle import OracleDraft, parse_oracle
+from pyllama_dspark.speculative.policy import VerifyPolicy
+from pyllama_dspark.speculative.policy_factory import make_policy
+from pyllama_dspark.speculative.sampling import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
 
@@ -61,13 +61,13 @@ class Speculator(Owned):
         first (:class:`~pyllama_dspark.llama.rpc.RpcEndpointError` if unreachable or busy).
         ``n_gpu_layers_draft``: the draft's offloaded layers (``-ngld``; None: as the target's).
 
-        ``draft_path`` ``"oracle:P"``: the oracle proposer (:class:`~pyllama_dspark.spec.oracle.OracleDraft`,
+        ``draft_path`` ``"oracle:P"``: the oracle proposer (:class:`~pyllama_dspark.speculative.oracle.OracleDraft`,
         greedy only): the target's greedy continuation, each block right with probability P, after
         a real pass of the draft matched to the target (the shipped drafter for the default target,
         else a random one).  ``conf_min`` / ``p_survival_min`` / ``calibration``: the static /
         survival schedules' thresholds and an STS calibration file (``pyllama-dspark calibrate``).
         ``regime``: ``greedy`` / ``sampled`` / ``any``, what the auto schedule's learned acceptance
-        is kept per across processes (:mod:`~pyllama_dspark.spec.policy_memory`)."""
+        is kept per across processes (:mod:`~pyllama_dspark.speculative.policy_memory`)."""
         check_n_max(n_max)
         if int(n_seq) <= 0:
             raise ValueError(f"n_seq must be >= 1, got {n_seq}")

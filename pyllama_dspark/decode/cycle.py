@@ -15,7 +15,7 @@ import numpy as np
 
 from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.llama.handles import Target
-from pyllama_dspark.spec.sampling import Dist, TokenSampler
+from pyllama_dspark.speculative.sampling import Dist, TokenSampler
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Stats:
 @dataclass
 class Chunk:
     """Tokens emitted by one cycle and the text they completed (held back near stop strings);
-    ``probs``: one :class:`~..spec.logprobs.TokenProb` per token when the request asked for them."""
+    ``probs``: one :class:`~..speculative.logprobs.TokenProb` per token when the request asked for them."""
     tokens: List[int]
     text: str
     probs: Optional[list] = None

@@ -14,8 +14,8 @@ from typing import Iterator, Optional, Sequence, Union
 from pyllama_dspark.decode.cycle import Chunk, Done, Started, Stats  # noqa: F401  (Stats: public here before)
 from pyllama_dspark.decode.loop import Decoder
 from pyllama_dspark.llama.handles import Target
-from pyllama_dspark.spec.drafter import Proposer
-from pyllama_dspark.spec.sampling import SamplingParams
+from pyllama_dspark.speculative.drafter import Proposer
+from pyllama_dspark.speculative.sampling import SamplingParams
 
 
 def _largest_block(proposer: Optional[Proposer]) -> int:
@@ -29,7 +29,7 @@ class SpecDecoder:
 
     def __init__(self, target: Target, proposer: Optional[Proposer] = None, *, seq_id: int = 0,
                  tie_eps: float = 1e-3, policy=None):
-        """``policy``: a :class:`~pyllama_dspark.spec.policy.VerifyPolicy` (None: verify every
+        """``policy``: a :class:`~pyllama_dspark.speculative.policy.VerifyPolicy` (None: verify every
         drafted token); its decisions use only the draft's own confidences and past cycles, so
         greedy and sampled output stay lossless."""
         self.target = target

@@ -10,8 +10,8 @@ not already hold).  Then every step, for all running requests together:
   2. policy: each request's verify length l_r (Algorithm 1 across the R blocks when cost-driven);
   3. verify: one target decode holds every request's rows [anchor, drafts[:l_r]] (l_r = 0: plain
      decoding);
-  4. accept, per request: :func:`~..spec.verify.greedy_accept` at T = 0, or
-     :func:`~..spec.verify.speculative_accept` at T > 0 (this loop is their only caller);
+  4. accept, per request: :func:`~..speculative.verify.greedy_accept` at T = 0, or
+     :func:`~..speculative.verify.speculative_accept` at T > 0 (this loop is their only caller);
   5. inject / roll back: the proposer observes the verified rows (or defers them when nothing was
      drafted) and both memories drop the rejected tail;
   6. events: the emitted tokens go through EOG, stop-string and max_tokens checks; a finished
@@ -39,11 +39,11 @@ from pyllama_dspark.decode.prefill import prefill
 from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache
 from pyllama_dspark.decode.request import Request, grammar_cut, make_request, token_probs
 from pyllama_dspark.llama.handles import Draft, Target
-from pyllama_dspark.spec.drafter import (BlockRequest, DraftModelProposer, NoDraft, Proposer, check_n_max,
+from pyllama_dspark.speculative.drafter import (BlockRequest, DraftModelProposer, NoDraft, Proposer, check_n_max,
                                          observe_later, propose_all)
-from pyllama_dspark.spec.policy import VerifyPolicy
-from pyllama_dspark.spec.sampling import SamplingParams
-from pyllama_dspark.spec.verify import greedy_accept, speculative_accept
+from pyllama_dspark.speculative.policy import VerifyPolicy
+from pyllama_dspark.speculative.sampling import SamplingParams
+from pyllama_dspark.speculative.verify import greedy_accept, speculative_accept
 
 
 class Decoder:
@@ -163,10 +163,10 @@ class Decoder:
         decode only the rest; the same prompt again costs no target decode.  Off by default: a
         partial re-decode changes batch shapes, hence the last bits of the logits.
 
-        ``grammar``: a GBNF string (or a :class:`~..spec.grammar.Grammar`): the output follows
+        ``grammar``: a GBNF string (or a :class:`~..speculative.grammar.Grammar`): the output follows
         the target constrained by it (llama.cpp's grammar engine).  ``logit_bias``: {token id:
         bias} added to the target's logits (-inf: never drawn).  ``n_probs`` > 0: a
-        :class:`~..spec.logprobs.TokenProb` per emitted token (``Chunk.probs`` / ``Done.probs``),
+        :class:`~..speculative.logprobs.TokenProb` per emitted token (``Chunk.probs`` / ``Done.probs``),
         from the target's rows (``post_sampling_probs``: after the sampler chain)."""
         s = make_request(self._next_rid, self.target, self._pieces, self.eog, self.n_ctx_seq, self._max_draft, prompt,
                          max_tokens, stop, sampling=sampling, ignore_eos=ignore_eos, n_max=n_max,

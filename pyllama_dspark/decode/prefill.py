@@ -16,7 +16,7 @@ from typing import List, Sequence
 import numpy as np
 
 from pyllama_dspark.decode.request import Request, token_probs
-from pyllama_dspark.spec.drafter import observe_later
+from pyllama_dspark.speculative.drafter import observe_later
 
 
 def prefill(dec, reqs: Sequence[Request]) -> None:

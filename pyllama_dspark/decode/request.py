@@ -2,7 +2,7 @@
 checked (:func:`make_request`), the grammar cut of its drafted block (:func:`grammar_cut`) and
 its token probabilities (:func:`token_probs`).
 
-A request needs a :class:`~..spec.sampling.TokenSampler` (the sampled accept path) when it samples
+A request needs a :class:`~..speculative.sampling.TokenSampler` (the sampled accept path) when it samples
 (T > 0), or at T = 0 when its greedy pick is not the plain argmax of the target's row: penalties,
 a logit bias or a grammar.  Its rows are then one-hot at the penalized / biased / constrained
 argmax, and the accept rule reduces to "draft == that argmax".
@@ -16,10 +16,10 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from pyllama_dspark.decode.cycle import Stats, TextStream, check_prompt
-from pyllama_dspark.spec import logprobs as lp
-from pyllama_dspark.spec.dist import Dist
-from pyllama_dspark.spec.drafter import check_n_max
-from pyllama_dspark.spec.sampling import SamplingParams, TokenSampler
+from pyllama_dspark.speculative import logprobs as lp
+from pyllama_dspark.speculative.dist import Dist
+from pyllama_dspark.speculative.drafter import check_n_max
+from pyllama_dspark.speculative.sampling import SamplingParams, TokenSampler
 
 
 @dataclass
@@ -63,10 +63,10 @@ def check_logit_bias(logit_bias, n_vocab: int) -> Optional[dict]:
 
 
 def make_grammar(grammar, target):
-    """A :class:`~..spec.grammar.GrammarCursor` for a GBNF string or a compiled Grammar (None: none)."""
+    """A :class:`~..speculative.grammar.GrammarCursor` for a GBNF string or a compiled Grammar (None: none)."""
     if grammar is None:
         return None
-    from pyllama_dspark.spec.grammar import Grammar, GrammarCursor
+    from pyllama_dspark.speculative.grammar import Grammar, GrammarCursor
 
     if isinstance(grammar, str):
         grammar = Grammar.compile(grammar, target)

@@ -20,7 +20,7 @@ and is closed, before the context is freed, when the Llama closes.
 
 ``grammar`` (a ``LlamaGrammar``), ``response_format`` (llama-cpp-python's chat handlers turn it into
 a grammar) and ``logit_bias`` work as in ``Llama``, under speculation (llama.cpp's grammar engine,
-:mod:`~pyllama_dspark.spec.grammar`).  Not supported (a clear ValueError): logprobs, forced tool
+:mod:`~pyllama_dspark.speculative.grammar`).  Not supported (a clear ValueError): logprobs, forced tool
 choice, logits_processor, stopping_criteria, suffix, mirostat, typical_p != 1.  Repeat / presence /
 frequency penalties work as in ``Llama`` (over the generated tokens, before the greedy pick at
 temperature 0).
@@ -34,17 +34,17 @@ from llama_cpp import llama_chat_format as lcf
 
 from pyllama_dspark.integrations import openai_dicts as oai
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.spec import policy_memory
-from pyllama_dspark.spec.policy_factory import make_policy
+from pyllama_dspark.speculative import policy_memory
+from pyllama_dspark.speculative.policy_factory import make_policy
 from pyllama_dspark.llama.chat import chat_formatter
-from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft, check_n_max, clamp_n_max
+from pyllama_dspark.speculative.drafter import DraftModelProposer, NoDraft, check_n_max, clamp_n_max
 from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.llama.borrowed import BorrowedTarget
 from pyllama_dspark.llama.handles import Draft, Owned
 from pyllama_dspark.integrations.llama_plugin import borrow_target, close_with_context, llama_ctx, llama_settings
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 
 def _unsupported(**given) -> None:

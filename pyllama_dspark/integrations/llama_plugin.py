@@ -54,7 +54,7 @@ from llama_cpp import llama_cpp as ll
 from llama_cpp.llama_speculative import LlamaDraftModel
 
 from pyllama_dspark.llama.amx import check_model
-from pyllama_dspark.spec.drafter import DraftModelProposer, check_n_max, clamp_n_max
+from pyllama_dspark.speculative.drafter import DraftModelProposer, check_n_max, clamp_n_max
 from pyllama_dspark.errors import ClosedError
 from pyllama_dspark.gguf.info import read_draft_info, validate_pair
 from pyllama_dspark.gguf.target_info import read_target_info
@@ -148,7 +148,7 @@ class DSparkDraftModel(Owned, LlamaDraftModel):
             self.draft = Draft(draft_path, self.target, self.settings)
             self.proposer = DraftModelProposer(self.draft)
             self.n_max = clamp_n_max(n_max, self.proposer)
-            from pyllama_dspark.spec.policy_factory import make_policy
+            from pyllama_dspark.speculative.policy_factory import make_policy
 
             # a first-use cost measurement decodes in the Llama's context: its cached prefix is gone
             self.policy = make_policy(self.target, self.draft, "off" if schedule is None else schedule,
@@ -234,7 +234,7 @@ class DSparkDraftModel(Owned, LlamaDraftModel):
             return
         self._closed = True
         try:
-            from pyllama_dspark.spec import policy_memory
+            from pyllama_dspark.speculative import policy_memory
 
             policy_memory.save(self.policy)   # what auto learned, for the next process
             self._uninstall()

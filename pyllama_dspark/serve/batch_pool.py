@@ -87,7 +87,7 @@ class BatchedPool(JobQueue):
             # freed under a decode that is still running
             self._thread.join()
             self._cancel_queued()   # whatever the worker did not take
-            from pyllama_dspark.spec import policy_memory
+            from pyllama_dspark.speculative import policy_memory
 
             policy_memory.save(getattr(self._bd, "policy", None))   # what auto learned, for the next process
             self.sp.close()

@@ -55,7 +55,7 @@ def _tok(tid: int, piece: bytes, p: float, post: bool) -> Dict[str, Any]:
 
 
 def probs_json(probs: Optional[Sequence[Any]], piece: Callable[[int], bytes], post_sampling: bool) -> List[dict]:
-    """llama-server's ``probs_vector_to_json`` over :class:`~pyllama_dspark.spec.logprobs.TokenProb`
+    """llama-server's ``probs_vector_to_json`` over :class:`~pyllama_dspark.speculative.logprobs.TokenProb`
     entries: per token ``{id, token, bytes, logprob, top_logprobs: [{id, token, bytes, logprob}]}``
     (``prob`` / ``top_probs`` with ``post_sampling_probs``); ``piece(id)``: the token's bytes."""
     out = []

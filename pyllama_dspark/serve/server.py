@@ -45,7 +45,7 @@ from pyllama_dspark.serve.oai_request import (GenRequest, RequestError, check_gr
 from pyllama_dspark.serve.routes_misc import add_misc_routes
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
 from pyllama_dspark.decode.timings import llama_timings
-from pyllama_dspark.spec.sampling_params import SamplingParams
+from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 log = logging.getLogger("pyllama_dspark.serve.server")
 

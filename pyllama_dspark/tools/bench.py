@@ -109,7 +109,7 @@ class ScheduledRunner:
         from pyllama_dspark.decode.loop import Decoder
         from pyllama_dspark.llama.handles import ContextSettings
         from pyllama_dspark.llama.models import open_models
-        from pyllama_dspark.spec.policy import VerifyPolicy
+        from pyllama_dspark.speculative.policy import VerifyPolicy
 
         cs = ContextSettings(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers,
                              **offload)

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from pyllama_dspark.spec.dist import Dist, sample_from
+from pyllama_dspark.speculative.dist import Dist, sample_from
 
 
 def greedy_accept(drafted: np.ndarray, target_argmax: np.ndarray, eog: Optional[np.ndarray] = None) -> int:

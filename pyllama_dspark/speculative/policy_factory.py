@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional, Sequence
 
-from pyllama_dspark.spec import costprofile, policy_memory
-from pyllama_dspark.spec.policy import COST_MODES, MODES, VerifyPolicy
+from pyllama_dspark.speculative import costprofile, policy_memory
+from pyllama_dspark.speculative.policy import COST_MODES, MODES, VerifyPolicy
 
 
 def policy_for(mode: Optional[str], *, has_draft: bool, has_confidence: bool, cost_source=None,
@@ -105,7 +105,7 @@ def make_policy(target, draft, schedule=None, *, proposer=None, cost_profile=Non
         raise ValueError(f"schedule must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off" and calibration:
         raise ValueError("--calibration needs a schedule other than off")
-    from pyllama_dspark.spec.drafter import DraftModelProposer, NoDraft
+    from pyllama_dspark.speculative.drafter import DraftModelProposer, NoDraft
 
     has_draft = draft is not None or (proposer is not None and not isinstance(proposer, NoDraft))
     if not has_draft:
@@ -118,7 +118,7 @@ def make_policy(target, draft, schedule=None, *, proposer=None, cost_profile=Non
         gamma = max(1, min(gamma, proposer.max_draft()))
     temps = None
     if calibration:
-        from pyllama_dspark.spec.calibration import load_calibration
+        from pyllama_dspark.speculative.calibration import load_calibration
 
         temps = load_calibration(calibration, draft.path).temperatures
 

@@ -7,7 +7,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from pyllama_dspark.spec.shim import native_chain
+from pyllama_dspark.speculative.shim import native_chain
 
 
 class Dist:

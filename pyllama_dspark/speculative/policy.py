@@ -20,9 +20,9 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from pyllama_dspark.spec import cycle_costs, policy_memory, probes
-from pyllama_dspark.spec.cycle_costs import EXPLORE_SAMPLES
-from pyllama_dspark.spec.schedule import CostModel, apply_sts, schedule, static_cut, survival, survival_cut
+from pyllama_dspark.speculative import cycle_costs, policy_memory, probes
+from pyllama_dspark.speculative.cycle_costs import EXPLORE_SAMPLES
+from pyllama_dspark.speculative.schedule import CostModel, apply_sts, schedule, static_cut, survival, survival_cut
 
 MODES = ("off", "static", "survival", "profiled", "auto")
 COST_MODES = ("profiled", "auto")

@@ -43,10 +43,10 @@ from typing import List, Optional
 import numpy as np
 
 from pyllama_dspark.errors import DraftMismatchError, NativeError
-from pyllama_dspark.spec.chain import chain_dist_native
-from pyllama_dspark.spec.dist import Dist
-from pyllama_dspark.spec.sampling import TokenSampler
-from pyllama_dspark.spec.shim import native_chain
+from pyllama_dspark.speculative.chain import chain_dist_native
+from pyllama_dspark.speculative.dist import Dist
+from pyllama_dspark.speculative.sampling import TokenSampler
+from pyllama_dspark.speculative.shim import native_chain
 
 CONDITIONING = ("sampled", "argmax")
 

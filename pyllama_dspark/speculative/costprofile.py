@@ -3,7 +3,7 @@
 ``measure()`` runs real decodes (interleaved: every repeat visits B = 1..B_max in a fresh shuffled
 order, so machine noise spreads over all B) and reports the median and the p10-p90 spread; the
 result is cached as JSON keyed by the model files, n_ctx, threads, flash attention and offload, and
-turned into a :class:`~pyllama_dspark.spec.schedule.CostModel` for the scheduler.
+turned into a :class:`~pyllama_dspark.speculative.schedule.CostModel` for the scheduler.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from pyllama_dspark.spec.schedule import CostModel
+from pyllama_dspark.speculative.schedule import CostModel
 
 #: 2: the auto curve reads the sizes one sequence verifies (B <= FOCUS_B) at least FOCUS_READINGS
 #: times; a version 1 file may hold one reading per size, and is measured again
@@ -147,7 +147,7 @@ def _verify_curve(tgt, b_max: int, repeats: int, budget_s: float, seed: int, pro
 def measure(sp, *, b_max: int = 32, repeats: int = 5, seed: int = 0,
             progress: Optional[Callable[[int, int], None]] = None) -> Profile:
     """Profile an open :class:`~pyllama_dspark.decode.api.Speculator` (target, optional draft)."""
-    from pyllama_dspark.spec.drafter import DraftModelProposer
+    from pyllama_dspark.speculative.drafter import DraftModelProposer
 
     if b_max < 1 or repeats < 1:
         raise ValueError("b_max and repeats must be >= 1")

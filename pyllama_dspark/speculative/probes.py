@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from pyllama_dspark.spec.schedule import survival
+from pyllama_dspark.speculative.schedule import survival
 
 #: a probe's measured loss is a running mean at this rate (a probe is rare: few samples)
 RATE = 0.3

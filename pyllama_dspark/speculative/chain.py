@@ -35,9 +35,9 @@ from typing import Optional
 
 import numpy as np
 
-from pyllama_dspark.spec.dist import Dist
-from pyllama_dspark.spec.sampling_params import SamplingParams
-from pyllama_dspark.spec.shim import native, native_chain
+from pyllama_dspark.speculative.dist import Dist
+from pyllama_dspark.speculative.sampling_params import SamplingParams
+from pyllama_dspark.speculative.shim import native, native_chain
 
 
 def apply_penalties(logits: np.ndarray, window: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -23,11 +23,11 @@ from typing import Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
-from pyllama_dspark.spec.chain import (chain_dist, chain_dist_native, chain_params_native, greedy_dist,
+from pyllama_dspark.speculative.chain import (chain_dist, chain_dist_native, chain_params_native, greedy_dist,
                                        logits_row)
-from pyllama_dspark.spec.dist import Dist, sample_from
-from pyllama_dspark.spec.sampling_params import SamplingParams, resolve_seed
-from pyllama_dspark.spec.shim import native_chain
+from pyllama_dspark.speculative.dist import Dist, sample_from
+from pyllama_dspark.speculative.sampling_params import SamplingParams, resolve_seed
+from pyllama_dspark.speculative.shim import native_chain
 
 # SamplingParams and Dist are imported from here by the decoding loops
 __all__ = ["Dist", "SamplingParams", "TokenSampler"]

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from pyllama_dspark.spec.drafter import EMPTY, BlockRequest, Proposal, Proposer, propose_all
+from pyllama_dspark.speculative.drafter import EMPTY, BlockRequest, Proposal, Proposer, propose_all
 
 
 class OracleProposer(Proposer):
@@ -132,7 +132,7 @@ class TableOracleProposer(Proposer):
         return Proposal(np.asarray(toks, dtype=np.int32)) if toks else EMPTY
 
     def _q(self, row: np.ndarray, sampler, drafted):
-        from pyllama_dspark.spec.sampling import Dist
+        from pyllama_dspark.speculative.sampling import Dist
 
         base = sampler.probs(np.asarray(row, dtype=np.float32) / np.float32(self.skew), drafted)
         if self.junk == 0.0 or self.junk_ids.size == 0:

@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from pyllama_dspark.spec import costprofile
+from pyllama_dspark.speculative import costprofile
 
 MEMORY_ENV = "PYLLAMA_DSPARK_SCHEDULE_MEMORY"
 MEMORY_VERSION = 1

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from pyllama_dspark.errors import DSparkError
-from pyllama_dspark.spec.schedule import calibration_report, fit_sts
+from pyllama_dspark.speculative.schedule import calibration_report, fit_sts
 
 CALIBRATION_VERSION = 1
 
@@ -81,7 +81,7 @@ def reliability_png(records: Sequence[tuple], temps: Sequence[float], gamma: int
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pyllama_dspark.spec.schedule import apply_sts, joint_labels
+    from pyllama_dspark.speculative.schedule import apply_sts, joint_labels
 
     conf, ver, acc = records_to_arrays(records, gamma)
     y = joint_labels(acc, gamma)
