@@ -142,11 +142,6 @@ def calibrate_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit,
         click.echo(f"reliability diagram: {png}")
 
 
-def register(main: click.Group) -> None:
-    main.add_command(profile_cmd)
-    main.add_command(calibrate_cmd)
-
-
 # ---- options shared with `run` -------------------------------------------------------------------
 
 schedule_options = [
@@ -315,9 +310,8 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
                              for r in rows], headers=["R", "proposer", "config", "tok/s", "vs no draft", "tau"]))
 
 
-_register_base = register
 
-
-def register(main: click.Group) -> None:  # noqa: F811 - extends the earlier registration
-    _register_base(main)
-    main.add_command(bench_schedule_cmd)
+def register(main: click.Group) -> None:
+    """Add ``profile``, ``calibrate`` and ``bench-schedule`` to the ``pyllama-dspark`` group."""
+    for cmd in (profile_cmd, calibrate_cmd, bench_schedule_cmd):
+        main.add_command(cmd)
