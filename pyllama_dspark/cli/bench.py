@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from pyllama_dspark.cli.common import offload_options
+from pyllama_dspark.cli.common import ngl_option, offload_options
 from pyllama_dspark.errors import DSparkError
 
 
@@ -36,7 +36,7 @@ from pyllama_dspark.errors import DSparkError
 @click.option("-c", "--ctx-size", "n_ctx", type=int, default=4096, show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="Threads (default: all cores).")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
-@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@ngl_option
 @offload_options
 @click.option("--json", "json_path", default=None, help="Write the full results as JSON to this file ('-': stdout).")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG of per-position acceptance (needs matplotlib).")

@@ -12,6 +12,32 @@ from pyllama_dspark.speculative.sampling_params import SamplingParams
 _D = SamplingParams()   # llama.cpp's defaults: stated once, in SamplingParams
 
 
+class NglType(click.ParamType):
+    """llama.cpp's ``-ngl`` value: a number of layers, ``auto`` or ``all``."""
+
+    name = "N|auto|all"
+
+    def convert(self, value, param, ctx):
+        from pyllama_dspark.llama.offload import parse_n_gpu_layers
+
+        try:
+            return parse_n_gpu_layers(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+NGL = NglType()
+NGL_HELP = ("Layers offloaded to the GPU: a number, 'auto' (every layer when the model fits the GPU's free "
+            "memory, fewer when it does not, none without a GPU: nothing changes on a CPU) or 'all'. "
+            "As llama.cpp's -ngl.")
+
+
+def ngl_option(fn):
+    """``-ngl/--n-gpu-layers``, llama.cpp's default ``auto``."""
+    return click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=NGL, default="auto", show_default=True,
+                        help=NGL_HELP)(fn)
+
+
 def sampling_options(fn):
     """llama.cpp's sampling flags (``--temp --top-k --top-p --min-p -s --repeat-penalty
     --repeat-last-n --presence-penalty --frequency-penalty``) with its defaults."""
@@ -102,8 +128,9 @@ def offload_options(fn):
                           "them with `pyllama-dspark rpc-server` (docs/scale-out.md)."),
         click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="N0,N1,...",
                      help="Share of the offloaded layers per device (RPC servers first), e.g. 3,1."),
-        click.option("-ngld", "--n-gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
-                     help="The draft's offloaded layers (default: as -ngl; 0 keeps the draft local)."),
+        click.option("-ngld", "--n-gpu-layers-draft", "n_gpu_layers_draft", type=NGL, default=None,
+                     help="The draft's offloaded layers, as -ngl (default: as -ngl, resolved for the draft's own "
+                          "file; 0 keeps the draft local)."),
     ]
     for o in reversed(opts):
         wrapper = o(wrapper)

@@ -8,7 +8,7 @@ import warnings
 
 import click
 
-from pyllama_dspark.cli.common import offload_options
+from pyllama_dspark.cli.common import ngl_option, offload_options
 from pyllama_dspark.errors import DSparkError
 
 
@@ -36,7 +36,7 @@ from pyllama_dspark.errors import DSparkError
 @click.option("-b", "--batch-size", "n_batch", type=int, default=512, show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="Threads (default: all cores).")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
-@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@ngl_option
 @offload_options
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the block sampling.")
 @click.option("--json", "json_path", default=None, help="Write the report as JSON to this file ('-': stdout).")

@@ -8,7 +8,7 @@ import warnings
 
 import click
 
-from pyllama_dspark.cli.common import (default_target, offload_options, resolve_draft_arg, sampling_from_options,
+from pyllama_dspark.cli.common import (default_target, ngl_option, offload_options, resolve_draft_arg, sampling_from_options,
                                        sampling_options)
 from pyllama_dspark.cli.sched import check_schedule_options, register as _register_sched, with_schedule_options
 from pyllama_dspark.errors import DSparkError
@@ -47,7 +47,7 @@ def main():
 @click.option("-b", "--batch-size", "n_batch", type=int, default=512, show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="Threads (default: all cores).")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
-@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@ngl_option
 @offload_options
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at end-of-generation tokens.")
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")

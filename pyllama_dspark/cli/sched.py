@@ -11,11 +11,11 @@ from typing import List, Optional
 
 import click
 
-from pyllama_dspark.cli.common import offload_options
+from pyllama_dspark.cli.common import ngl_option, offload_options
 from pyllama_dspark.errors import DSparkError
 
 
-def _settings(n_ctx, threads, flash_attn, n_seq=1, n_gpu_layers=0, **offload):
+def _settings(n_ctx, threads, flash_attn, n_seq=1, n_gpu_layers="auto", **offload):
     from pyllama_dspark.llama.handles import ContextSettings
 
     return ContextSettings(n_ctx=n_ctx * n_seq, n_threads=threads, flash_attn=flash_attn, n_seq_max=n_seq,
@@ -59,7 +59,9 @@ def common(f):
 @click.option("--repeats", type=int, default=5, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Profile file (default: the cache, keyed by models and settings).")
-def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output):
+@ngl_option
+@offload_options
+def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output, n_gpu_layers, offload):
     """Measure this machine's cost curve: target decode ms per verify batch B, draft block, overhead."""
     from tqdm import tqdm
 
@@ -69,7 +71,7 @@ def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output
     target = _target_path(model)
     try:
         with Speculator(target, _draft_path(draft, target), n_ctx=n_ctx, n_threads=threads,
-                        flash_attn=flash_attn, schedule="off") as sp:
+                        flash_attn=flash_attn, schedule="off", n_gpu_layers=n_gpu_layers, **offload) as sp:
             bar = tqdm(total=repeats * b_max, desc="profiling", unit="decode", leave=False)
 
             def progress(done, total):
@@ -94,7 +96,10 @@ def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output
 @click.option("-np", "--parallel", "n_seq", type=int, default=4, show_default=True, help="Sequences decoded together.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Calibration JSON to write.")
 @click.option("--png", type=click.Path(dir_okay=False), default=None, help="Reliability diagram PNG.")
-def calibrate_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit, n_predict, n_seq, output, png):
+@ngl_option
+@offload_options
+def calibrate_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit, n_predict, n_seq, output, png,
+                  n_gpu_layers, offload):
     """Fit STS temperatures on real decoding (half the prompts) and report ECE/AUC on the other half."""
     from tabulate import tabulate
     from tqdm import tqdm
@@ -111,7 +116,8 @@ def calibrate_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit,
         raise click.UsageError("calibrate needs a draft (-md)")
     items = load_prompts(prompt_paths, limit_per_file=limit)
     try:
-        t, d, _ = open_models(target_p, draft_p, _settings(n_ctx, threads, flash_attn, n_seq))
+        t, d, _ = open_models(target_p, draft_p, _settings(n_ctx, threads, flash_attn, n_seq,
+                                                           n_gpu_layers=n_gpu_layers, **offload))
         with t:
             if not d.meta.has_confidence:
                 raise DSparkError("this draft has no confidence head: nothing to calibrate")
@@ -202,7 +208,7 @@ def make_policy(sp, schedule: Optional[str], conf_min: Optional[float], p_surviv
               help="Oracle proposers (as -md oracle:P) beside the draft: P, the probability that a block has no "
                    "planted error ('' for none).")
 @click.option("--conf-min", type=float, default=0.5, show_default=True)
-@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@ngl_option
 @offload_options
 @click.option("--json", "as_json", is_flag=True)
 def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit, n_predict, rs, accuracies,

@@ -11,7 +11,7 @@ from typing import Optional
 
 import click
 
-from pyllama_dspark.cli.common import offload_options, resolve_draft_arg, sampling_from_options, sampling_options
+from pyllama_dspark.cli.common import ngl_option, offload_options, resolve_draft_arg, sampling_from_options, sampling_options
 from pyllama_dspark.cli.sched import make_policy, with_schedule_options
 from pyllama_dspark.errors import DSparkError
 
@@ -28,7 +28,7 @@ def resolve_draft(target: str, draft, spec_type: str):
 
 
 def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int, threads, flash_attn: str,
-               n_gpu_layers: int, n_max: int, verbose: bool = False, slot_similarity: float = 0.1,
+               n_gpu_layers, n_max: int, verbose: bool = False, slot_similarity: float = 0.1,
                offload: Optional[dict] = None):
     """``-np N -nocb``: N slots with contexts of their own, ``n_ctx / N`` tokens each (llama-server's
     ``-c`` is the total)."""
@@ -81,7 +81,7 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 @click.option("-ub", "--ubatch-size", "n_ubatch", type=int, default=512, show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="Threads per slot (default: all cores).")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
-@click.option("-ngl", "--n-gpu-layers", type=int, default=0, show_default=True)
+@ngl_option
 @offload_options
 @click.option("--api-key", default=None, envvar="LLAMA_API_KEY", help="Require 'Authorization: Bearer KEY'.")
 @click.option("-a", "--alias", default=None, help="Model name in /v1/models and responses.")

@@ -38,11 +38,11 @@ class Speculator(Owned):
 
     def __init__(self, target_path: str, draft_path: Optional[str] = None, *,
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512,
-                 n_threads: Optional[int] = None, flash_attn: str = "auto", n_gpu_layers: int = 0,
+                 n_threads: Optional[int] = None, flash_attn: str = "auto", n_gpu_layers: Union[int, str] = "auto",
                  n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False, n_seq: int = 1,
                  schedule: Union[str, VerifyPolicy, None] = "auto", cost_profile=None, kv_unified: bool = False,
                  rpc: Union[str, Sequence[str], None] = None, tensor_split: Sequence[float] = (),
-                 n_gpu_layers_draft: Optional[int] = None, conf_min: Optional[float] = None,
+                 n_gpu_layers_draft: Union[int, str, None] = None, conf_min: Optional[float] = None,
                  p_survival_min: Optional[float] = None, calibration: Optional[str] = None, regime: str = "any"):
         """``n_seq``: sequences the contexts hold (``n_ctx`` is shared among them), for a
         :class:`~pyllama_dspark.decode.loop.Decoder` over ``target`` / ``proposer``; ``stream``/``generate`` use
@@ -56,6 +56,8 @@ class Speculator(Owned):
         instead of the cached / measured one.  ``kv_unified``: one KV buffer for all ``n_seq``
         sequences, each of which may then use all of ``n_ctx`` (llama-server's ``-kvu``).
 
+        ``n_gpu_layers``: llama.cpp's ``-ngl``, a count, ``"auto"`` (the default, as llama.cpp's:
+        every layer on the GPU when the model fits, fewer when not, none without a GPU) or ``"all"``.
         ``rpc``: llama.cpp RPC servers (``"host:port,..."``, llama-server's ``--rpc``) that the
         ``n_gpu_layers`` offloaded layers go to, split by ``tensor_split`` (``-ts``); each is probed
         first (:class:`~pyllama_dspark.llama.rpc.RpcEndpointError` if unreachable or busy).
@@ -95,15 +97,17 @@ class Speculator(Owned):
             self.target.close()
             raise
         self._closed = False
+        # the decoder exists (verifying every draft) before the policy is made: a profiled / static
+        # schedule with no cached profile measures the full cost curve through it (_measure_full)
+        self.decoder = SpecDecoder(self.target, self.proposer)
         try:
-            policy = make_policy(self.target, self.draft, "off" if schedule is None else schedule,
-                                 proposer=self.proposer, cost_profile=cost_profile, conf_min=conf_min,
-                                 p_survival_min=p_survival_min, calibration=calibration, gamma=self.n_max,
-                                 measure_full=self._measure_full, regime=regime)
+            self.decoder.policy = make_policy(self.target, self.draft, "off" if schedule is None else schedule,
+                                              proposer=self.proposer, cost_profile=cost_profile, conf_min=conf_min,
+                                              p_survival_min=p_survival_min, calibration=calibration,
+                                              gamma=self.n_max, measure_full=self._measure_full, regime=regime)
         except BaseException:
             self.close()
             raise
-        self.decoder = SpecDecoder(self.target, self.proposer, policy=policy)
 
     @property
     def policy(self) -> Optional[VerifyPolicy]:

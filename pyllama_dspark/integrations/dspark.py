@@ -88,10 +88,10 @@ class DSpark(Owned):
 
     def __init__(self, target_path: str, draft_path: Optional[str] = None, *, n_max: int = 7,
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512, n_threads: Optional[int] = None,
-                 flash_attn: str = "auto", n_gpu_layers: int = 0, chat_format: Optional[str] = None,
+                 flash_attn: str = "auto", n_gpu_layers: Union[int, str] = "auto", chat_format: Optional[str] = None,
                  chat_handler=None, last_n_tokens_size: int = 64, verbose: bool = False,
                  schedule="auto", cost_profile=None, cache_prompt: bool = False, rpc=None,
-                 tensor_split=(), n_gpu_layers_draft: Optional[int] = None):
+                 tensor_split=(), n_gpu_layers_draft: Union[int, str, None] = None):
         """``schedule``: ``"auto"`` (default: verify drafts only where it pays on this machine's
         measured, cached cost curve), ``"off"`` (every draft verified, llama.cpp's fixed block) or
         a :class:`~.policy.VerifyPolicy`; ``cost_profile`` as for :class:`~.api.Speculator`.

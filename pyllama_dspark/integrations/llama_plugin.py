@@ -77,7 +77,12 @@ def llama_settings(llm) -> ContextSettings:
         n_ctx=int(llm.n_ctx()), n_batch=int(llm.n_batch), n_ubatch=int(cp.n_ubatch),
         n_threads=int(cp.n_threads), n_threads_batch=int(cp.n_threads_batch),
         flash_attn=_FA_NAMES.get(int(cp.flash_attn_type), "auto"),
-        n_gpu_layers=int(getattr(llm.model_params, "n_gpu_layers", 0)), verbose=bool(llm.verbose))
+        # llama-cpp-python's n_gpu_layers: -1 is every layer (llama.cpp's "all"), 0 none
+        n_gpu_layers=_llama_ngl(int(getattr(llm.model_params, "n_gpu_layers", 0))), verbose=bool(llm.verbose))
+
+
+def _llama_ngl(n: int):
+    return "all" if n < 0 else n
 
 
 def llama_ctx(llm):

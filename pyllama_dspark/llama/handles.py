@@ -11,6 +11,7 @@ context owned by someone else is :class:`~pyllama_dspark.llama.borrowed.Borrowed
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import weakref
 from typing import List, Optional, Sequence
@@ -22,6 +23,7 @@ from llama_cpp import llama_cpp as ll
 from pyllama_dspark.llama import _native as nat
 from pyllama_dspark.llama import rpc
 from pyllama_dspark.llama.backend import check_gguf_file, ensure_backend
+from pyllama_dspark.llama.offload import resolve_n_gpu_layers
 from pyllama_dspark.llama.settings import ContextSettings  # noqa: F401  (re-exported: its historical home)
 from pyllama_dspark.llama.draft_meta import DraftMeta
 from pyllama_dspark.errors import ClosedError, DraftMismatchError, ModelFileError, NativeError
@@ -61,12 +63,16 @@ class _ModelCtx(Owned):
         settings.validate()
         ensure_backend(settings.verbose)
         self.path = check_gguf_file(path)
-        self.settings = settings
         mp = ll.llama_model_default_params()
-        mp.n_gpu_layers = settings.n_gpu_layers
         if settings.rpc or rpc.in_use():  # explicit devices: this model's --rpc servers, else local only
             devices = rpc.model_devices(settings.rpc)
             mp.devices = ctypes.cast(devices, ctypes.c_void_p)
+            offload_devs = [d for d in devices if d]
+        else:
+            offload_devs = rpc.local_gpu_devices() if ll.llama_supports_gpu_offload() else []
+        ngl = resolve_n_gpu_layers(settings.n_gpu_layers, self.path, settings.n_ctx, offload_devs)
+        mp.n_gpu_layers = ngl
+        self.settings = dataclasses.replace(settings, n_gpu_layers_resolved=ngl)
         if settings.tensor_split:
             split = (ctypes.c_float * int(ll.llama_max_devices()))(*settings.tensor_split)
             mp.tensor_split = split

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 from llama_cpp import llama_cpp as ll
 
 from pyllama_dspark.llama import rpc
 from pyllama_dspark.llama.backend import default_threads
+from pyllama_dspark.llama.offload import ALL_LAYERS, parse_n_gpu_layers
 
 _FLASH_ATTN = {
     "auto": ll.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -28,7 +29,9 @@ class ContextSettings:
     n_threads_batch: Optional[int] = None
     flash_attn: str = "auto"
     n_seq_max: int = 1
-    n_gpu_layers: int = 0
+    # llama.cpp's -ngl: a count, "auto" (llama.cpp's default: every layer on the GPU when it fits,
+    # none without a GPU) or "all"; resolved when the model is loaded (llama/offload.py)
+    n_gpu_layers: Union[int, str] = "auto"
     verbose: bool = False
     # full-size SWA caches (llama-server's --swa-full, off by default there).  Off: the SWA KV
     # cache holds n_swa + n_ubatch cells and a new batch only overwrites cells masked for its
@@ -41,7 +44,10 @@ class ContextSettings:
     # llama-server's -ts: the share of the offloaded layers each device gets (RPC devices first)
     tensor_split: Tuple[float, ...] = ()
     # llama-server's -ngld: the draft's offloaded layers (None: as n_gpu_layers)
-    n_gpu_layers_draft: Optional[int] = None
+    n_gpu_layers_draft: Optional[Union[int, str]] = None
+    # what n_gpu_layers resolved to when the model was loaded (set by the loader, not by users):
+    # a count, or -1 for every layer
+    n_gpu_layers_resolved: Optional[int] = None
 
     def validate(self) -> None:
         if self.flash_attn not in _FLASH_ATTN:
@@ -49,6 +55,9 @@ class ContextSettings:
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        self.n_gpu_layers = parse_n_gpu_layers(self.n_gpu_layers)
+        if self.n_gpu_layers_draft is not None:
+            self.n_gpu_layers_draft = parse_n_gpu_layers(self.n_gpu_layers_draft)
         if self.n_ubatch > self.n_batch:
             self.n_ubatch = self.n_batch
         self.rpc = rpc.parse_endpoints(self.rpc if self.rpc else None)
@@ -58,17 +67,25 @@ class ContextSettings:
                              f"proportions with a positive sum, got {list(split)}")
         self.tensor_split = split
 
+    @property
+    def offloaded(self) -> bool:
+        """Whether the loaded model has layers on an offload device (GPU or RPC)."""
+        n = self.n_gpu_layers_resolved if self.n_gpu_layers_resolved is not None else self.n_gpu_layers
+        return isinstance(n, int) and (n > 0 or n == ALL_LAYERS)
+
     def placement(self):
-        """Where the layers go, for cache keys: n_gpu_layers, plus the RPC servers and split if any."""
+        """Where the layers go, for cache keys: the resolved n_gpu_layers (as requested before a
+        load), plus the RPC servers and split if any."""
+        n = self.n_gpu_layers_resolved if self.n_gpu_layers_resolved is not None else self.n_gpu_layers
         if not self.rpc and not self.tensor_split:
-            return self.n_gpu_layers
-        return [self.n_gpu_layers, list(self.rpc), list(self.tensor_split)]
+            return n
+        return [n, list(self.rpc), list(self.tensor_split)]
 
     def for_draft(self) -> "ContextSettings":
-        """These settings with the draft's offload (-ngld) as n_gpu_layers."""
-        if self.n_gpu_layers_draft is None:
-            return self
-        return dataclasses.replace(self, n_gpu_layers=int(self.n_gpu_layers_draft), n_gpu_layers_draft=None)
+        """These settings with the draft's offload (-ngld, else -ngl as requested) as n_gpu_layers:
+        an ``auto`` is resolved for the draft's own file."""
+        ngl = self.n_gpu_layers if self.n_gpu_layers_draft is None else self.n_gpu_layers_draft
+        return dataclasses.replace(self, n_gpu_layers=ngl, n_gpu_layers_draft=None, n_gpu_layers_resolved=None)
 
     def context_params(self):
         p = ll.llama_context_default_params()

@@ -188,7 +188,7 @@ class BatchedPool(JobQueue):
 
 
 def open_batched_pool(target: str, draft: Optional[str], *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int,
-                      threads, flash_attn: str, n_gpu_layers: int, n_max: int, verbose: bool = False,
+                      threads, flash_attn: str, n_gpu_layers, n_max: int, verbose: bool = False,
                       policy_factory=None, kv_unified: bool = False,
                       slot_similarity: float = SLOT_PROMPT_SIMILARITY, offload: Optional[dict] = None) -> BatchedPool:
     """A Speculator with ``n_slots`` sequences sharing ``n_ctx`` tokens (llama-server's ``-c``:

@@ -177,7 +177,7 @@ def measure(sp, *, b_max: int = 32, repeats: int = 5, seed: int = 0,
     st = done_gen.stats
     if st.cycles:
         overhead = (st.ms_overhead + st.ms_inject) / st.cycles
-    s = sp.settings
+    s = sp.target.settings   # as loaded: n_gpu_layers resolved
     key = profile_key(tgt.path, getattr(sp.draft, "path", None), s.n_ctx, s.n_threads or 0, s.flash_attn,
                       s.placement(), b_max)
     bs = list(range(1, b_max + 1))
@@ -185,7 +185,7 @@ def measure(sp, *, b_max: int = 32, repeats: int = 5, seed: int = 0,
     return Profile(
         key=key,
         settings=dict(target=tgt.path, draft=getattr(sp.draft, "path", None), n_ctx=s.n_ctx, n_threads=s.n_threads,
-                      flash_attn=s.flash_attn, n_gpu_layers=s.n_gpu_layers, b_max=b_max),
+                      flash_attn=s.flash_attn, n_gpu_layers=s.placement(), b_max=b_max),
         batch_sizes=bs, verify_ms=[q(b, 50) for b in bs], verify_p10=[q(b, 10) for b in bs],
         verify_p90=[q(b, 90) for b in bs],
         draft_ms=float(np.median(draft_times)) if draft_times else 0.0,
@@ -196,7 +196,7 @@ def measure(sp, *, b_max: int = 32, repeats: int = 5, seed: int = 0,
 def load_or_measure(sp, *, path=None, b_max: int = 32, repeats: int = 5, remeasure: bool = False,
                     progress=None) -> Profile:
     """The cached profile for these settings, measuring it on first use."""
-    s = sp.settings
+    s = sp.target.settings   # as loaded: n_gpu_layers resolved
     key = profile_key(sp.target.path, getattr(sp.draft, "path", None), s.n_ctx, s.n_threads or 0, s.flash_attn,
                       s.placement(), b_max)
     p = Path(path) if path else default_path(key)
@@ -237,7 +237,7 @@ def measure_target(target, *, b_max: int = AUTO_B_MAX, repeats: int = 5, budget_
     q = lambda b, p: float(np.percentile(times[b], p))  # noqa: E731
     return Profile(
         key=target_key(target), settings=dict(target=target.path, draft=None, n_ctx=s.n_ctx, n_threads=s.n_threads,
-                                              flash_attn=s.flash_attn, n_gpu_layers=s.n_gpu_layers, b_max=b_max),
+                                              flash_attn=s.flash_attn, n_gpu_layers=s.placement(), b_max=b_max),
         batch_sizes=bs, verify_ms=[q(b, 50) for b in bs], verify_p10=[q(b, 10) for b in bs],
         verify_p90=[q(b, 90) for b in bs], draft_ms=0.0, overhead_ms=0.0, repeats=r)
 

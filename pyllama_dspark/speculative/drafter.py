@@ -277,7 +277,7 @@ class DraftModelProposer(Proposer):
                 # and a pool on a busy machine costs far more than it saves
                 # on a local GPU when the draft is offloaded, never on an RPC device (a round trip
                 # per drafted position for a [rank x n_vocab] product)
-                markov = MarkovHead(d.path, use_gpu=s.n_gpu_layers > 0 and bool(local_gpu_devices()), n_threads=1)
+                markov = MarkovHead(d.path, use_gpu=s.offloaded and bool(local_gpu_devices()), n_threads=1)
                 self._markov = markov
                 if m.has_confidence:
                     conf = read_conf_head(d.path, d.n_embd, markov.rank)

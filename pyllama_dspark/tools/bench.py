@@ -105,7 +105,7 @@ class ScheduledRunner:
 
     def __init__(self, target: str, draft: str, mode: str, *, n_max: int = 7, conf_min: float = 0.5,
                  p_survival_min: float = 0.3, n_ctx: int = 4096, n_threads=None, flash_attn: str = "auto",
-                 n_gpu_layers: int = 0, **offload):
+                 n_gpu_layers="auto", **offload):
         from pyllama_dspark.decode.loop import Decoder
         from pyllama_dspark.llama.handles import ContextSettings
         from pyllama_dspark.llama.models import open_models
