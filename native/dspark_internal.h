@@ -1,4 +1,6 @@
-// Internal helpers shared by the shim's translation units (not installed, not part of the ABI).
+// Concern: what every native file shares (not installed, not part of the ABI): the status of the
+// last call and the exception guard (defined in dspark_status.cpp), and a GGUF file's metadata
+// (header-only).  The headers of the other concerns: dspark_simd.h, dspark_scan.h, dspark_result.h.
 #pragma once
 
 #include "dspark_shim.h"
@@ -70,13 +72,5 @@ struct gguf_file {
     gguf_file(const gguf_file &) = delete;
     gguf_file & operator=(const gguf_file &) = delete;
 };
-
-// Vectorized row scans (dspark_sampler.cpp).
-// id <- the first index of the maximum of x[0..n-1]; gap (if not null) <- max - the largest value
-// at any other index (NaN ignored).
-void argmax_row_f32(const float * x, int64_t n, int32_t * id, float * gap);
-// ids[0..k-1] <- the k largest of x[0..n-1] in no particular order (ties: the lower index); when
-// fewer than k are finite the lowest-index others fill up.  1 <= k <= n.
-void top_k_f32(const float * x, int64_t n, int32_t k, int32_t * ids);
 
 }  // namespace dspark

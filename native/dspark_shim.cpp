@@ -1,8 +1,13 @@
-// pyllama-dspark native shim (see dspark_shim.h): target capture/decode, draft injection and block
-// decode, read-out.  The Markov graph lives in dspark_markov.cpp, the sampler chain in
-// dspark_sampler.cpp.  Kept small on purpose: Python owns the loop.  Every extern "C" entry point
-// runs inside dspark::guard*: no C++ exception crosses the C ABI.
+// Concern: llama.cpp's contexts, behind the C ABI (see dspark_shim.h): target capture/decode, draft
+// injection and block decode, read-out of llama.cpp's output rows.  Kept small on purpose: Python
+// owns the loop.  Every extern "C" entry point runs inside dspark::guard*: no C++ exception crosses
+// the C ABI.  The other native files (each header names its one concern): dspark_status.cpp (the
+// error message, the guard), dspark_markov.cpp (the Markov graph), dspark_chain.cpp (the sampler
+// chain) over dspark_scan.cpp (whole-row scans) and dspark_result.cpp (the kept set written out),
+// and dspark_simd.{h,cpp} (the vector kernels' base and their per-ISA dispatch).  This file calls
+// down into dspark_status.cpp and dspark_scan.cpp only; nothing calls back into it.
 #include "dspark_internal.h"
+#include "dspark_scan.h"
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -11,14 +16,9 @@
 #include "llama.h"
 
 #include <cmath>
-#include <cstdarg>
-#include <cstdio>
 #include <cstring>
 #include <algorithm>
-#include <exception>
 #include <memory>
-#include <new>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -28,36 +28,6 @@ LLAMA_API void    llama_set_embeddings_nextn(struct llama_context * ctx, bool va
 LLAMA_API float * llama_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
 LLAMA_API void    llama_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
 LLAMA_API float * llama_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
-
-namespace dspark {
-
-namespace {
-thread_local char g_last_error[1024];  // a fixed buffer: setting the message cannot throw
-}
-
-int32_t fail(int32_t code, const char * fmt, ...) noexcept {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(g_last_error, sizeof(g_last_error), fmt, ap);
-    va_end(ap);
-    return code;
-}
-
-void ok() noexcept { g_last_error[0] = '\0'; }
-
-int32_t exception_status(const char * fn) noexcept {
-    try {
-        throw;
-    } catch (const std::bad_alloc &) {
-        return fail(DSPARK_E_INTERNAL, "%s: out of memory (C++ std::bad_alloc)", fn);
-    } catch (const std::exception & e) {
-        return fail(DSPARK_E_INTERNAL, "%s: C++ exception: %s", fn, e.what());
-    } catch (...) {
-        return fail(DSPARK_E_INTERNAL, "%s: unknown C++ exception", fn);
-    }
-}
-
-}  // namespace dspark
 
 using dspark::fail;
 using dspark::ok;
@@ -168,27 +138,10 @@ int32_t model_n_embd_of(llama_context * ctx) { return llama_model_n_embd(llama_g
 
 // ---- misc ---------------------------------------------------------------------------------------
 
-// (these three cannot throw: no guard needed)
+// (these two cannot throw: no guard needed)
 extern "C" int32_t dspark_abi_version(void) { return DSPARK_ABI_VERSION; }
-extern "C" const char * dspark_last_error(void) { return dspark::g_last_error; }
 extern "C" void * dspark_llama_backend_init_address(void) { return (void *) &llama_backend_init; }
 
-extern "C" int32_t dspark_test_throw(int32_t kind) {
-    return dspark::guard(__func__, [&]() -> int32_t {
-        switch (kind) {
-            case 0: throw std::runtime_error("planted exception");
-            case 1: throw std::bad_alloc();
-            case 2: throw 42;
-            case 3: {  // a real allocation failure
-                std::vector<float> huge((size_t) 1 << 42);  // 16 TiB
-                return (int32_t) huge.size();
-            }
-            default: break;
-        }
-        ok();
-        return DSPARK_OK;
-    });
-}
 
 // ---- target -------------------------------------------------------------------------------------
 
@@ -314,15 +267,6 @@ extern "C" int32_t dspark_argmax_rows(llama_context * ctx, int32_t i0, int32_t n
             if (!row) return fail(DSPARK_E_STATE, "row %d of the last decode has no logits (not an output)", i0 + r);
             dspark::argmax_row_f32(row, n_vocab, ids + r, margin ? margin + r : nullptr);
         }
-        ok();
-        return DSPARK_OK;
-    });
-}
-
-extern "C" int32_t dspark_top_k_f32(const float * x, int32_t n, int32_t k, int32_t * ids) {
-    return dspark::guard(__func__, [&]() -> int32_t {
-        if (!x || !ids || n <= 0 || k <= 0 || k > n) return fail(DSPARK_E_INVALID, "bad argument (n %d, k %d)", n, k);
-        dspark::top_k_f32(x, n, k, ids);
         ok();
         return DSPARK_OK;
     });
