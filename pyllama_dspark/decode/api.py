@@ -97,8 +97,8 @@ class Speculator(Owned):
             self.target.close()
             raise
         self._closed = False
-        # the decoder exists (verifying every draft) before the policy is made: a profiled / static
-        # schedule with no cached profile measures the full cost curve through it (_measure_full)
+        # the decoder exists (verifying every draft) before the policy is made: the profiled schedule
+        # with no cached profile measures the full cost curve through it (_measure_full)
         self.decoder = SpecDecoder(self.target, self.proposer)
         try:
             self.decoder.policy = make_policy(self.target, self.draft, "off" if schedule is None else schedule,
@@ -115,11 +115,12 @@ class Speculator(Owned):
         return self.decoder.policy
 
     def _measure_full(self):
-        """The full cost profile (target and draft) of the profiled / static schedules, cached."""
+        """The full cost profile (target and draft) of the profiled schedule, cached; verify
+        batches up to 32, or n_batch when smaller (a decode takes at most n_batch tokens)."""
         import sys
 
         print("pyllama-dspark: profiling this machine (cached for next time)...", file=sys.stderr, flush=True)
-        return costprofile.load_or_measure(self)
+        return costprofile.load_or_measure(self, b_max=min(costprofile.AUTO_B_MAX, self.target.n_batch))
 
     # ---- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:

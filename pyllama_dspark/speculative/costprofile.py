@@ -107,7 +107,7 @@ def _verify_curve(tgt, b_max: int, repeats: int, budget_s: float, seed: int, pro
     whole rounds, the prompt)."""
     rng = np.random.default_rng(seed)
     prompt = np.asarray(tgt.tokenize("The quick brown fox jumps over the lazy dog. " * 6), dtype=np.int32)
-    prompt = prompt[: max(1, min(len(prompt), tgt.n_ctx - b_max - 1))]
+    prompt = prompt[: max(1, min(len(prompt), tgt.n_ctx - b_max - 1, tgt.n_batch))]   # one decode
     n0 = len(prompt)
     tgt.seq_rm(0, 0, -1)
     tgt.decode(prompt, 0, all_outputs=False)
