@@ -20,7 +20,7 @@ lossless with them: the draft and the target see the same history (committed tok
 drafted prefix) at every block position.
 
 The chain runs in the native shim (``dspark_chain_dist``: one pass or a few over the row, no sort
-of the vocabulary; see native/dspark_sampler.cpp) and returns the distribution sparse, as a
+of the vocabulary; see native/dspark_chain.cpp) and returns the distribution sparse, as a
 :class:`Dist`; :func:`chain_dist_numpy` is the same chain in numpy (the fallback when the loaded
 shim predates it, and the "before" of ``bench/sampler_rows.py``).
 """
