@@ -142,7 +142,6 @@ int32_t model_n_embd_of(llama_context * ctx) { return llama_model_n_embd(llama_g
 extern "C" int32_t dspark_abi_version(void) { return DSPARK_ABI_VERSION; }
 extern "C" void * dspark_llama_backend_init_address(void) { return (void *) &llama_backend_init; }
 
-
 // ---- target -------------------------------------------------------------------------------------
 
 struct dspark_target {
