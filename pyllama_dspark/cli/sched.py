@@ -29,11 +29,12 @@ def _target_path(model):
 
 
 def _draft_path(draft, target):
-    from pyllama_dspark.paths import random_draft_for
+    from pyllama_dspark.paths import resolve_random_draft
 
-    if draft in ("random", "random-dspark"):
-        return random_draft_for(target, "dspark")
-    return draft
+    try:
+        return resolve_random_draft(draft, target)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-md")
 
 
 _common = [
@@ -223,6 +224,7 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
 
     from pyllama_dspark.decode.api import Speculator, oracle_draft_for
     from pyllama_dspark.decode.loop import Decoder
+    from pyllama_dspark.gguf.draft_types import split_draft_type
     from pyllama_dspark.llama.chat import build_chat_prompt
     from pyllama_dspark.llama.models import open_models
     from pyllama_dspark.prompts import load_prompts
@@ -237,7 +239,10 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
         accs = [only_oracle] if only_oracle is not None else [float(x) for x in accuracies.split(",") if x.strip()]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="-md / --accuracies")
-    draft_p = oracle_draft_for(target_p) if only_oracle is not None else _draft_path(draft or "random", target_p)
+    if only_oracle is not None:
+        draft_p = oracle_draft_for(target_p, split_draft_type(draft)[1])   # oracle:P[:TYPE]
+    else:
+        draft_p = _draft_path(draft or "random", target_p)
     r_list = [int(x) for x in rs.split(",") if x.strip()]
     items = load_prompts(prompt_paths, limit_per_file=limit)
     place = dict(n_gpu_layers=n_gpu_layers, **offload)

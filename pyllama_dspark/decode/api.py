@@ -14,6 +14,7 @@ import os
 from typing import Iterator, List, Optional, Sequence, Union
 
 from pyllama_dspark.errors import DSparkError
+from pyllama_dspark.gguf.draft_types import split_draft_type
 from pyllama_dspark.speculative import costprofile
 from pyllama_dspark.llama.chat import build_chat_prompt
 from pyllama_dspark.speculative.drafter import DraftModelProposer, NoDraft, Proposer, check_n_max, clamp_n_max
@@ -66,8 +67,9 @@ class Speculator(Owned):
         ``draft_path`` ``"oracle:P"``: the oracle proposer (:class:`~pyllama_dspark.speculative.oracle.OracleDraft`,
         greedy only): the target's greedy continuation, each block right with probability P, after
         a real pass of the draft matched to the target (the shipped drafter for the default target,
-        else a random one).  ``conf_min`` / ``p_survival_min`` / ``calibration``: the static /
-        survival schedules' thresholds and an STS calibration file (``pyllama-dspark calibrate``).
+        else a random BF16 one; ``"oracle:P:TYPE"``: a random one of that weight type).
+        ``conf_min`` / ``p_survival_min`` / ``calibration``: the static / survival schedules'
+        thresholds and an STS calibration file (``pyllama-dspark calibrate``).
         ``regime``: ``greedy`` / ``sampled`` / ``any``, what the auto schedule's learned acceptance
         is kept per across processes (:mod:`~pyllama_dspark.speculative.policy_memory`)."""
         check_n_max(n_max)
@@ -81,7 +83,7 @@ class Speculator(Owned):
         self.settings.validate()
         oracle_p = parse_oracle(draft_path)
         if oracle_p is not None:
-            draft_path = oracle_draft_for(target_path)
+            draft_path = oracle_draft_for(target_path, split_draft_type(draft_path)[1])
         # validates the pairing from the files before llama.cpp sees them (it aborts on mismatches)
         self.target, self.draft, self.warnings = open_models(target_path, draft_path, self.settings)
         try:
@@ -185,11 +187,14 @@ class Speculator(Owned):
         return done
 
 
-def oracle_draft_for(target_path: str) -> str:
+def oracle_draft_for(target_path: str, weight_type: Optional[str] = None) -> str:
     """The draft whose pass ``-md oracle:P`` pays: the shipped drafter for the default target (the
-    matching draft), else a random DSpark draft of the target's shape."""
+    matching draft), else a random DSpark draft of the target's shape, BF16.  ``weight_type``
+    (``-md oracle:P:TYPE``): a random DSpark draft of that type, for any target."""
     from pyllama_dspark.paths import default_draft, default_target, random_draft_for
 
+    if weight_type is not None:
+        return random_draft_for(target_path, "dspark", weight_type)
     try:
         if os.path.realpath(target_path) == os.path.realpath(default_target()) and default_draft():
             return default_draft()

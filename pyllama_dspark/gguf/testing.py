@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pyllama_dspark.gguf.draft_types import (DEFAULT_DRAFT_TYPE, DRAFT_TYPES, check_draft_type, draft_file_type,
+                                              draft_tensor_type)
 from pyllama_dspark.gguf.info import DRAFT_ARCH
 from pyllama_dspark.gguf.reader import field_value, read_gguf
 from pyllama_dspark.gguf.target_info import read_target_info
@@ -25,6 +27,8 @@ __all__ = [
     "default_target_layers",
     "pick_mask_token_id",
     "DRAFT_OVERRIDE_KEYS",
+    "DRAFT_TYPES",
+    "DEFAULT_DRAFT_TYPE",
 ]
 
 #: Pseudo-keys understood by ``make_test_draft(overrides=...)`` besides plain metadata keys.
@@ -41,7 +45,7 @@ DRAFT_OVERRIDE_KEYS = (
     "@fc_scale",       # bool: also write fc.scale (a [1] tensor, value 1.0)
 )
 
-_FC_TYPES = ("f32", "f16", "bf16", "q8_0")
+_FC_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 
 def default_target_layers(n_layer: int, n: int = 5) -> List[int]:
@@ -105,6 +109,14 @@ def pick_mask_token_id(reader) -> int:
 # the draft writer (metadata / weight helpers and the atomic write: pyllama_dspark.gguf.write)
 # --------------------------------------------------------------------------------------------
 
+def _bf16_rounded(arr: np.ndarray) -> np.ndarray:
+    """``arr`` through BF16 and back to F32 (what a released BF16 checkpoint holds)."""
+    import gguf
+
+    bf = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), gguf.GGMLQuantizationType.BF16)
+    return (bf.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(arr.shape)
+
+
 def _encode(arr: np.ndarray, kind: str):
     """(data, raw_dtype) for GGUFWriter.add_tensor (:func:`encode`, naming ``fc_type`` on a bad kind)."""
     if kind not in TENSOR_ENCODINGS:
@@ -122,9 +134,10 @@ def make_test_draft(
     confidence: bool = True,
     target_layers: Optional[Sequence[int]] = None,
     seed: int = 0,
-    fc_type: str = "f32",
+    fc_type: Optional[str] = None,
     overrides: Optional[Dict[str, Any]] = None,
     weights: Optional[Dict[str, Tuple[np.ndarray, str]]] = None,
+    weight_type: str = "f32",
 ) -> str:
     """Write a random-weight draft GGUF (arch ``dflash``) matched to the target GGUF.
 
@@ -145,8 +158,17 @@ def make_test_draft(
       and ``conf_proj.bias`` [1].  No token embeddings / lm_head: llama.cpp shares the target's
       through ``ctx_other``.
     * weights ~ N(0, 1/fan_in) (``markov_w1`` ~ N(0, 1) so the Markov bias W2.W1[prev] is O(1)),
-      norm weights 1; everything F32 except ``fc.weight`` in ``fc_type``
-      (``"f32" | "bf16" | "f16" | "q8_0"``; F16 reproduces hazard 9).
+      norm weights 1;
+    * tensor types: ``weight_type`` (:data:`DRAFT_TYPES`: ``"bf16" | "f32" | "f16" | "q8_0" |
+      "q4_0"``), per tensor as llama.cpp's converter / quantizer choose
+      (:func:`pyllama_dspark.gguf.draft_types.draft_tensor_type`: norms, biases and 1-D tensors F32,
+      rows that do not fit a 32-block F16, ``fc.weight`` never F16).  Except at ``"f32"`` the
+      random values are rounded to BF16 first, as a released checkpoint's are.  This function
+      defaults to ``"f32"`` (tests edit its tensors in place and compare against F32 references);
+      ``make-test-draft`` and ``-md random`` / ``oracle:P`` write :data:`DEFAULT_DRAFT_TYPE`
+      (``"bf16"``), the type drafters are released in.  ``fc_type`` (``"f32" | "bf16" | "f16" |
+      "q8_0" | "q4_0"``) forces ``fc.weight``'s type, rules aside (``"f16"`` reproduces hazard 9).
+      ``general.file_type`` says ``weight_type``.
 
     ``kind="dflash"`` writes a plain DFlash draft (no Markov / confidence heads, no
     sample_from_anchor key; ``markov_rank`` and ``confidence`` are ignored).  ``target_layers``
@@ -170,9 +192,11 @@ def make_test_draft(
 
     if kind not in ("dspark", "dflash"):
         raise ValueError(f"kind must be 'dspark' or 'dflash', got {kind!r}")
-    fc_type = str(fc_type).lower()
-    if fc_type not in _FC_TYPES:
-        raise ValueError(f"fc_type must be one of {_FC_TYPES}, got {fc_type!r}")
+    weight_type = check_draft_type(weight_type)
+    if fc_type is not None:
+        fc_type = str(fc_type).lower()
+        if fc_type not in _FC_TYPES:
+            raise ValueError(f"fc_type must be one of {_FC_TYPES}, got {fc_type!r}")
     if int(n_layers) < 1:
         raise ValueError(f"n_layers must be >= 1, got {n_layers}")
     if int(block_size) < 1:
@@ -225,6 +249,8 @@ def make_test_draft(
     meta: "OrderedDict[str, Tuple[Any, Any, Any]]" = OrderedDict()
     meta["general.type"] = ("model", vt.STRING, None)
     meta["general.name"] = (f"pyllama-dspark random {kind} test draft", vt.STRING, None)
+    meta["general.file_type"] = (draft_file_type(weight_type), vt.UINT32, None)
+    meta["general.quantization_version"] = (gguf.GGML_QUANT_VERSION, vt.UINT32, None)
     meta[f"{a}.context_length"] = (int(tinfo.n_ctx_train or 4096), vt.UINT32, None)
     meta[f"{a}.embedding_length"] = (n_embd, vt.UINT32, None)
     meta[f"{a}.block_count"] = (int(n_layers), vt.UINT32, None)
@@ -295,7 +321,12 @@ def make_test_draft(
     # ---- tensors (numpy shape = reversed ggml ne)
     tensors: "OrderedDict[str, Tuple[np.ndarray, Any]]" = OrderedDict()
 
-    def put(name: str, arr: np.ndarray, enc: str = "f32") -> None:
+    def put(name: str, arr: np.ndarray, enc: Optional[str] = None) -> None:
+        """``enc`` None: the type :func:`draft_tensor_type` gives at ``weight_type``."""
+        if enc is None:
+            enc = draft_tensor_type(name, arr.shape, weight_type)
+            if weight_type != "f32" and enc != "f32":
+                arr = _bf16_rounded(arr)
         tensors[name] = _encode(arr, enc)
 
     ones = lambda n: np.ones((n,), dtype=np.float32)  # noqa: E731
@@ -351,6 +382,7 @@ def plant_markov_bigrams(draft_path, sequences: Sequence[Sequence[int]], strengt
     the rank, and every ``drop_every``-th bigram (when > 0) fall back to the random base logits, so
     the draft gets partial acceptances — a real DSpark draft running entirely inside llama.cpp,
     which makes it a fixture for comparing drivers (ours vs llama.cpp's C++ one).
+    The Markov head must be F32 or BF16 (``strength`` is truncated to BF16 there: 200 is exact).
     Returns the number of rank slots used.
     """
     import gguf
@@ -359,12 +391,18 @@ def plant_markov_bigrams(draft_path, sequences: Sequence[Sequence[int]], strengt
     tensors = {t.name: t for t in r.tensors}
     if "markov_w1.weight" not in tensors or "markov_w2.weight" not in tensors:
         raise ValueError(f"{draft_path} has no Markov head")
-    w1, w2 = tensors["markov_w1.weight"].data, tensors["markov_w2.weight"].data  # [n_vocab, R] views
-    if w1.dtype != np.float32 or w2.dtype != np.float32:
-        raise ValueError("plant_markov_bigrams needs an F32 Markov head")
-    rank = w1.shape[1]
-    w1[...] = 0.0
-    w2[...] = 0.0
+    views = []
+    for name in ("markov_w1.weight", "markov_w2.weight"):   # [n_vocab, R] views of the file
+        t = tensors[name]
+        if t.tensor_type == gguf.GGMLQuantizationType.F32:
+            views.append(t.data)
+        elif t.tensor_type == gguf.GGMLQuantizationType.BF16:
+            views.append(t.data.view(np.uint16))
+        else:
+            raise ValueError(f"plant_markov_bigrams needs an F32 or BF16 Markov head, {name} is {t.tensor_type.name}")
+    rank = views[0].shape[1]
+    w1 = np.zeros(views[0].shape, dtype=np.float32)
+    w2 = np.zeros(views[1].shape, dtype=np.float32)
     successor: Dict[int, int] = {}
     for seq in sequences:
         for a, b in zip(seq[:-1], seq[1:]):
@@ -379,6 +417,8 @@ def plant_markov_bigrams(draft_path, sequences: Sequence[Sequence[int]], strengt
             slots[b] = len(slots)
             w2[b, slots[b]] = strength
         w1[a, slots[b]] = 1.0
+    for view, w in zip(views, (w1, w2)):      # 0, 1 and a strength like 200 are exact in BF16
+        view[...] = w if view.dtype == np.float32 else (w.view(np.uint32) >> 16).astype(np.uint16)
     r.data.flush()
     del r
     return len(slots)

@@ -22,7 +22,7 @@ import numpy as np
 __all__ = ["TENSOR_ENCODINGS", "gauss", "encode", "raw_field", "infer_type", "same_kind_type", "write_gguf"]
 
 #: encodings :func:`encode` understands
-TENSOR_ENCODINGS = ("f32", "f16", "bf16", "q8_0", "i64")
+TENSOR_ENCODINGS = ("f32", "f16", "bf16", "q8_0", "q4_0", "i64")
 
 
 def gauss(rng: np.random.Generator, shape: Sequence[int], fan_in: int) -> np.ndarray:
@@ -45,9 +45,9 @@ def encode(arr: np.ndarray, kind: str):
                                     gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
     if kind == "i64":
         return np.ascontiguousarray(arr, dtype=np.int64), None
-    if kind == "q8_0":
-        return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32),
-                                    gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    if kind in ("q8_0", "q4_0"):    # gguf-py's ports of ggml's reference quantizers (bit for bit)
+        q = gguf.GGMLQuantizationType.Q8_0 if kind == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+        return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), q), q
     raise ValueError(f"tensor encoding must be one of {TENSOR_ENCODINGS}, got {kind!r}")
 
 
