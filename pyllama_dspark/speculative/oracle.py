@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pyllama_dspark.gguf.draft_types import split_draft_type
 from pyllama_dspark.speculative.drafter import EMPTY, BlockRequest, Proposal, Proposer, propose_all
 
 
@@ -227,6 +228,7 @@ def parse_oracle(spec: Optional[str]) -> Optional[float]:
     ``spec`` is not an oracle.  Raises ValueError on a malformed one."""
     if not isinstance(spec, str) or not spec.startswith("oracle"):
         return None
+    spec = split_draft_type(spec)[0]   # oracle:P:TYPE: the type of the draft whose pass it pays
     head, _, value = spec.partition(":")
     if head != "oracle" or not value:
         raise ValueError(f"{spec!r}: expected oracle:P with P in [0, 1], e.g. oracle:0.9")
