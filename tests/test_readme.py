@@ -1,10 +1,13 @@
-"""The README's runnable snippets run as written.
+"""The runnable snippets of the README and of the docs pages (docs/**/*.md) run as written.
 
-Convention: a line ``<!-- readme-test -->`` (invisible on GitHub) right before a fenced ```bash or
-```python block marks it as runnable.  Each one runs in a fresh process, in a folder where
-``target.gguf`` is the SmolLM2 test target and ``draft.gguf`` a random DSpark draft for it, against
-this checkout (PYTHONPATH); a ``pyllama-dspark`` command runs as ``python -m pyllama_dspark.cli.main``
-(the console script's entry point), so the checkout's code is what runs.
+Convention: a line ``<!-- readme-test -->`` (invisible on GitHub and on the docs site) right before a
+fenced ```bash or ```python block marks it as runnable.  Each one runs in a fresh process, in a
+folder where ``target.gguf`` is the SmolLM2 test target and ``draft.gguf`` a random DSpark draft for
+it, against this checkout (PYTHONPATH); a ``pyllama-dspark`` command runs as ``python -m
+pyllama_dspark.cli.main`` (the console script's entry point), so the checkout's code is what runs.
+A snippet that appears word for word in several places (the README's examples are repeated in
+docs/usage.md) runs once, under the ids of all its places.  What each snippet prints is checked too:
+a bash command by its subcommand, a Python snippet by a line of its code (``CHECKS``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def marked_snippets(text: str):
         if lines[i].strip() == MARK:
             m = FENCE.match(lines[i + 1].strip()) if i + 1 < len(lines) else None
             if not m:
-                raise AssertionError(f"README line {i + 1}: {MARK} must be followed by a ```lang fence")
+                raise AssertionError(f"line {i + 1}: {MARK} must be followed by a ```lang fence")
             j = i + 2
             while j < len(lines) and lines[j].strip() != "```":
                 j += 1
@@ -40,12 +43,32 @@ def marked_snippets(text: str):
     return out
 
 
-SNIPPETS = marked_snippets((ROOT / "README.md").read_text(encoding="utf-8"))
+#: the files whose marked snippets run: the README, then every docs page
+DOC_FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
+
+
+def _all_snippets():
+    """{(lang, code): ["FILE:LINE", ...]} in file order: identical snippets run once."""
+    found = {}
+    for f in DOC_FILES:
+        name = f.relative_to(ROOT).as_posix()
+        try:
+            snippets = marked_snippets(f.read_text(encoding="utf-8"))
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+        for lang, code, line in snippets:
+            found.setdefault((lang, code), []).append(f"{name}:{line}")
+    return found
+
+
+FOUND = _all_snippets()
+SNIPPETS = [(lang, code, where) for (lang, code), where in FOUND.items()]
+README_SNIPPETS = marked_snippets((ROOT / "README.md").read_text(encoding="utf-8"))
 
 
 def test_readme_has_the_three_ways():
-    langs = [lang for lang, _, _ in SNIPPETS]
-    code = "".join(c for _, c, _ in SNIPPETS)
+    langs = [lang for lang, _, _ in README_SNIPPETS]
+    code = "".join(c for _, c, _ in README_SNIPPETS)
     assert "bash" in langs and langs.count("python") >= 2
     for needle in ("pyllama-dspark run", "DSparkDraftModel(llm", "DSpark(", "DSpark.from_llama(",
                    "create_chat_completion", "stream=True", "timings"):
@@ -92,17 +115,56 @@ def _chat_ref(refs, text, n):
     return refs.chat(_user(text), n)["choices"][0]["message"]["content"]
 
 
-def _check_run_cli(argv, out, err, refs):
-    """`pyllama-dspark run` (temperature 0.8 by default, so the text itself cannot be predicted):
-    the prompt is llama-cpp-python's chat prompt for -p, at most -n tokens came out, drafts were
-    made, and stdout is the text the stats line counts."""
-    prompt, n = argv[argv.index("-p") + 1], int(argv[argv.index("-n") + 1])
-    m = re.search(r"prompt (\d+) tok, generated (\d+) tok .*drafted (\d+), accepted (\d+)", err)
-    assert m, f"no stats line on stderr:\n{err}"
-    n_prompt, n_gen, drafted, accepted = map(int, m.groups())
-    assert n_prompt == len(refs.chat_tokens(_user(prompt))), "not the chat prompt llama-cpp-python builds"
-    assert 1 <= n_gen <= n and 0 < drafted and 0 <= accepted <= drafted
-    assert out.strip() and len(refs.llm.tokenize(out.strip().encode(), add_bos=False)) <= n + 2
+def _opt(argv, *names, default=None):
+    for n in names:
+        if n in argv:
+            return argv[argv.index(n) + 1]
+    return default
+
+
+def _check_run_cli(argv, out, err, refs, cwd):
+    """`pyllama-dspark run` (temperature 0.8 by default, so the text itself cannot be predicted
+    unless --temp 0): the prompt is llama-cpp-python's chat prompt for -p (its completion prompt with
+    --raw), at most -n tokens came out, drafts were made when a draft is named (none without), and
+    stdout is the text the stats line counts (with --json: one JSON object holding text and stats)."""
+    prompt, n = _opt(argv, "-p", "--prompt"), int(_opt(argv, "-n", "--n-predict"))
+    raw, drafting = "--raw" in argv, _opt(argv, "-md", "--model-draft") is not None and "--no-draft" not in argv
+    if "--json" in argv:
+        import json
+
+        obj = json.loads(out)
+        st = obj["stats"]
+        n_prompt, n_gen, drafted, accepted = st["n_prompt"], st["n_generated"], st["drafted"], st["accepted"]
+        text = obj["text"]
+        assert len(obj["tokens"]) == n_gen
+    else:
+        m = re.search(r"prompt (\d+) tok, generated (\d+) tok .*drafted (\d+), accepted (\d+)", err)
+        assert m, f"no stats line on stderr:\n{err}"
+        n_prompt, n_gen, drafted, accepted = map(int, m.groups())
+        text = out
+    want = refs.completion_tokens(prompt) if raw else refs.chat_tokens(_user(prompt))
+    assert n_prompt == len(want), "not the prompt llama-cpp-python builds"
+    assert 1 <= n_gen <= n and 0 <= accepted <= drafted
+    assert (drafted > 0) if drafting else (drafted == 0), (drafting, drafted)
+    assert text.strip() and len(refs.llm.tokenize(text.strip().encode(), add_bos=False)) <= n + 2
+    if _opt(argv, "--temp") == "0" and not raw and not _opt(argv, "-md", "--model-draft", default="").startswith("oracle"):
+        ref = _chat_ref(refs, prompt, n)
+        assert text.strip() == ref.strip(), f"not Llama's own greedy output:\n{text!r}\n{ref!r}"
+
+
+def _check_inspect(argv, out, err, refs, cwd):
+    assert "draft:" in out and "pairing: OK" in out, out
+
+
+def _check_make_test_draft(argv, out, err, refs, cwd):
+    from pyllama_dspark.gguf.info import read_draft_info
+
+    path = cwd / _opt(argv, "-o", "--output")
+    assert path.is_file() and read_draft_info(str(path)) is not None, out
+
+
+#: what each bash command must print, by its subcommand
+BASH_CHECKS = {"run": _check_run_cli, "inspect": _check_inspect, "make-test-draft": _check_make_test_draft}
 
 
 def _check_plugin(out, refs):
@@ -136,30 +198,46 @@ def _check_from_llama(out, refs):
     assert int(out[len(chat) + 1:].strip()) >= 0
 
 
-#: what each snippet must print, recognised by a line of its code (the prompts are the README's own)
+def _check_speculator(out, refs):
+    """docs/usage.md's Speculator snippet: greedy by default, so the streamed text is Llama's own
+    greedy chat output; then the Done's stats as a dict."""
+    import ast
+
+    text, _, stats = out.rpartition("\n ")
+    stats = ast.literal_eval(stats.strip())
+    ref = _chat_ref(refs, "Explain RoPE in one paragraph.", stats["n_generated"])
+    assert text == ref, f"not Llama's own greedy output:\n{text!r}\n{ref!r}"
+    assert 1 <= stats["n_generated"] <= 32 and 0 <= stats["accepted"] <= stats["drafted"], stats
+    assert stats["schedule"].startswith("schedule auto"), stats
+
+
+#: what each snippet must print, recognised by a line of its code (the prompts are the snippets' own)
 CHECKS = [
     ("DSparkDraftModel(llm", _check_plugin),
     ("DSpark.from_llama(", _check_from_llama),
     ('with DSpark("target.gguf"', _check_dspark),
+    ('with Speculator("target.gguf"', _check_speculator),
 ]
 
 
-@pytest.mark.parametrize("lang, code, line", SNIPPETS, ids=[f"README:{n}" for _, _, n in SNIPPETS])
-def test_snippet_runs(lang, code, line, workdir, llama_refs):
+@pytest.mark.parametrize("lang, code, where", SNIPPETS, ids=["+".join(w) for _, _, w in SNIPPETS])
+def test_snippet_runs(lang, code, where, workdir, llama_refs):
+    at = where[0]
     if lang == "python":
         runs = [[sys.executable, "-c", code]]
     elif lang == "bash":
         runs = list(_bash_commands(code))
     else:
-        raise AssertionError(f"README line {line}: no runner for ```{lang}")
+        raise AssertionError(f"{at}: no runner for ```{lang}")
     for argv in runs:
         p = subprocess.run(argv, cwd=workdir, env=_env(), capture_output=True, text=True, timeout=900)
-        assert p.returncode == 0, f"README line {line} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
-        assert p.stdout.strip(), f"README line {line} printed nothing"
+        assert p.returncode == 0, f"{at}: {shlex.join(argv[3:] or argv)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+        assert p.stdout.strip(), f"{at} printed nothing"
         if lang == "bash":
-            assert argv[3] == "run", f"README line {line}: no output check for {argv[3:]}"
-            _check_run_cli(argv, p.stdout, p.stderr, llama_refs)
+            check = BASH_CHECKS.get(argv[3])
+            assert check, f"{at}: no output check for {argv[3:]} (add one to BASH_CHECKS)"
+            check(argv, p.stdout, p.stderr, llama_refs, workdir)
         else:
             checks = [fn for needle, fn in CHECKS if needle in code]
-            assert len(checks) == 1, f"README line {line}: no output check for this snippet (add one to CHECKS)"
+            assert len(checks) == 1, f"{at}: no output check for this snippet (add one to CHECKS)"
             checks[0](p.stdout, llama_refs)
