@@ -176,6 +176,7 @@ def plan_test_target(
     router_gain: float = 12.0,
     vocab_type: str = "f16",
     tokenizer_source: Optional[str] = None,
+    tokenizer_extra: Optional[dict] = None,
 ) -> Tuple[str, "OrderedDict[str, Tuple[Any, Any, Any]]", List[TensorPlan]]:
     """(GGUF architecture, metadata, tensor plan) of a random-weight target of ``arch``: the
     tensors' names, shapes and encodings, with generators that make their data when written (so a
@@ -194,7 +195,8 @@ def plan_test_target(
     ``n_swa``: sliding window of the SWA layers.  ``vocab_type``: encoding of the vocabulary-sized
     matrices (``token_embd``, ``output``, ``per_layer_token_embd``); ``"f32"`` for bit-exact small
     tests.  Weights ~ N(0, 1/fan_in), norms 1; MoE routing is deterministic per token (see the
-    module docstring; ``router_gain`` scales the router).
+    module docstring; ``router_gain`` scales the router).  ``tokenizer_extra``: keyword arguments of
+    :func:`~.target_tokenizer.tokenizer_meta` (another model's chat template, its special tokens).
     """
     import gguf
 
@@ -338,7 +340,7 @@ def plan_test_target(
         kv(f"{a}.expert_count", int(n_expert))
         kv(f"{a}.expert_used_count", int(n_expert_used))
         kv(f"{a}.expert_feed_forward_length", int(n_ff_exp))
-    meta.update(tokenizer_meta(n_vocab, tokenizer_source))
+    meta.update(tokenizer_meta(n_vocab, tokenizer_source, **(tokenizer_extra or {})))
 
     # ---- tensors (numpy shapes: reversed ggml ne), generated in plan order when written
     plan: List[TensorPlan] = []

@@ -36,17 +36,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from pyllama_dspark.serve.oai_errors import RequestError, _is, _typename
+from pyllama_dspark.serve.oai_messages import ROLES, parse_messages
+from pyllama_dspark.serve.oai_tools import ToolFields, parse_tool_fields
 
-class RequestError(Exception):
-    """A request the server refuses: HTTP ``code`` with an OpenAI-style error body."""
-
-    def __init__(self, message: str, type: str = "invalid_request_error", code: int = 400,
-                 param: Optional[str] = None):
-        super().__init__(message)
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
+__all__ = ["RequestError", "GenRequest", "ROLES", "parse_request", "parse_json_body", "grammar_text", "check_grammar",
+           "resolve_logit_bias", "tokenize_mixed", "_bool", "_is", "_typename"]
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -102,13 +97,11 @@ _SAMPLING_FIELDS = {
 _SAMPLING_NAMES = {"repeat_last_n": "penalty_last_n"}
 N_PROBS_CHAT_DEFAULT = 20                       # llama-server's top_logprobs when only logprobs is set
 
-ROLES = ("system", "user", "assistant", "tool", "developer", "function")
-
-
 @dataclass
 class GenRequest:
     kind: str                                   # "chat" | "completion" | "native"
-    messages: Optional[List[Dict[str, str]]] = None
+    messages: Optional[List[Dict[str, Any]]] = None
+    tools: Optional[ToolFields] = None          # chat: tools / tool_choice / ... (None: none given)
     prompt: Optional[Union[str, List[Union[int, str]]]] = None   # text, token ids, or a mix of both
     max_tokens: int = -1                        # -1: until EOS / the context is full
     stop: List[str] = field(default_factory=list)
@@ -127,15 +120,6 @@ class GenRequest:
     id_slot: int = -1                           # accepted, ignored (the pool picks the slot)
 
 
-def _typename(v: Any) -> str:
-    return "null" if v is None else {bool: "boolean", int: "integer", float: "number", str: "string",
-                                     list: "array", dict: "object"}.get(type(v), type(v).__name__)
-
-
-def _is(v: Any, types) -> bool:
-    return isinstance(v, types) and not isinstance(v, bool)
-
-
 def _int_field(body: dict, name: str) -> Optional[int]:
     v = body.get(name)
     if v is None:
@@ -145,46 +129,6 @@ def _int_field(body: dict, name: str) -> Optional[int]:
     if not _is(v, int):
         raise RequestError(f"'{name}' must be an integer, got {_typename(v)}", param=name)
     return v
-
-
-def _content_text(content: Any, i: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if isinstance(p, str):
-                parts.append(p)
-            elif isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
-            else:
-                raise RequestError(f"messages[{i}].content: only text parts are supported", param="messages")
-        return "".join(parts)
-    raise RequestError(f"messages[{i}].content must be a string or an array of text parts, got {_typename(content)}",
-                       param="messages")
-
-
-def _messages(body: dict) -> List[Dict[str, str]]:
-    msgs = body.get("messages")
-    if msgs is None:
-        raise RequestError("'messages' is required", param="messages")
-    if not isinstance(msgs, list):
-        raise RequestError(f"'messages' must be an array, got {_typename(msgs)}", param="messages")
-    if not msgs:
-        raise RequestError("'messages' must not be empty", param="messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise RequestError(f"messages[{i}] must be an object, got {_typename(m)}", param="messages")
-        role = m.get("role")
-        if not isinstance(role, str):
-            raise RequestError(f"messages[{i}].role must be a string", param="messages")
-        if role not in ROLES:
-            raise RequestError(f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}", param="messages")
-        out.append({"role": role, "content": _content_text(m.get("content"), i)})
-    return out
 
 
 def _prompt(body: dict, mixed: bool = False) -> Union[str, List[Union[int, str]]]:
@@ -406,7 +350,8 @@ def parse_request(body: Any, kind: str) -> GenRequest:
         raise RequestError(f"the request body must be a JSON object, got {_typename(body)}")
     req = GenRequest(kind=kind)
     if kind == "chat":
-        req.messages = _messages(body)
+        req.messages = parse_messages(body)
+        req.tools = parse_tool_fields(body, req.messages)
     else:
         req.prompt = _prompt(body, mixed=kind == "native")
     if kind == "completion":

@@ -78,11 +78,12 @@ def _base(cid: str, model: str, obj: str, created: Optional[int]) -> Dict[str, A
 
 def chat_completion(cid: str, model: str, text: str, finish_reason: str, n_prompt: int, n_generated: int,
                     timings: Optional[dict] = None, created: Optional[int] = None, n_cached: int = 0,
-                    logprobs: Optional[List[dict]] = None) -> Dict[str, Any]:
-    """``logprobs``: :func:`probs_json`'s list (llama-server: ``choices[0].logprobs`` only when non-empty)."""
+                    logprobs: Optional[List[dict]] = None, message: Optional[dict] = None) -> Dict[str, Any]:
+    """``logprobs``: :func:`probs_json`'s list (llama-server: ``choices[0].logprobs`` only when non-empty);
+    ``message``: the assistant message when it is more than ``text`` (tool calls, reasoning)."""
     out = _base(cid, model, "chat.completion", created)
     choice: Dict[str, Any] = {"index": 0, "finish_reason": finish_reason,
-                              "message": {"role": "assistant", "content": text}}
+                              "message": message if message is not None else {"role": "assistant", "content": text}}
     if logprobs:
         choice["logprobs"] = logprobs_obj(logprobs)
     out["choices"] = [choice]

@@ -5,7 +5,7 @@
   ``[{"id", "piece"}]`` (the piece as text, or its byte values when it is not valid UTF-8);
 * ``POST /detokenize`` ``{"tokens": [...]}`` -> ``{"content": text}`` (special tokens rendered);
 * ``POST /apply-template`` ``{"messages": [...]}`` -> ``{"prompt": text}``: the prompt a chat
-  request would decode, from the same chat template;
+  request would decode, from the same chat template (with ``tools``, as the template renders them);
 * ``GET /props``: ``default_generation_settings`` (``params``, ``n_ctx``), ``total_slots``,
   ``model_alias``, ``model_path``, ``modalities``, ``endpoint_slots`` / ``_props`` / ``_metrics``,
   ``chat_template``, ``bos_token``, ``eos_token``, ``build_info``, ``is_sleeping``;
@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from pyllama_dspark.serve import metrics as met
 from pyllama_dspark.serve.native import generation_settings
+from pyllama_dspark.serve.tool_serving import render_prompt
 from pyllama_dspark.serve.oai_request import RequestError, _bool, _is, _typename, parse_request, tokenize_mixed
 
 
@@ -159,6 +160,9 @@ def add_misc_routes(app: Any, srv: Any) -> None:
     async def apply_template(request: Request):
         srv.auth(request)
         req = parse_request(await srv.body(request), "chat")
+        if req.tools is not None:   # tools and tool turns: the template renders them (tool_serving)
+            plan = await run_in_threadpool(render_prompt, srv.pool.front.target, req)
+            return {"prompt": plan.prompt}
         try:
             cp = await run_in_threadpool(srv.pool.front.chat_prompt, req.messages)
         except ValueError as e:

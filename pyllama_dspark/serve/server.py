@@ -44,6 +44,7 @@ from pyllama_dspark.serve.oai_request import (GenRequest, RequestError, check_gr
                                               parse_request, resolve_logit_bias, tokenize_mixed)
 from pyllama_dspark.serve.routes_misc import add_misc_routes
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
+from pyllama_dspark.serve.tool_serving import ToolReply, tool_prompt
 from pyllama_dspark.decode.timings import llama_timings
 from pyllama_dspark.speculative.sampling_params import SamplingParams
 
@@ -126,12 +127,14 @@ def prepare_prompt(pool: SlotPool, req: GenRequest) -> Tuple[List[int], List[str
 
 
 
-def engine_constraints(pool: SlotPool, req: GenRequest) -> Tuple[Optional[str], Optional[Dict[int, float]]]:
-    """The request's grammar (GBNF, checked: it compiles against the target) and its logit bias
-    (token id -> bias); RequestError when they cannot be served."""
+def engine_constraints(pool: SlotPool, req: GenRequest, grammar: bool = True
+                       ) -> Tuple[Optional[str], Optional[Dict[int, float]]]:
+    """The request's grammar (GBNF, checked: it compiles against the target; ``grammar=False``: not
+    read, a request with tools has its own) and its logit bias (token id -> bias); RequestError when
+    they cannot be served."""
     target = pool.front.target
     try:
-        gbnf = grammar_text(req)
+        gbnf = grammar_text(req) if grammar else None
         if gbnf is not None:
             check_grammar(gbnf, target)
     except ImportError as e:
@@ -212,8 +215,15 @@ class Serving:
         req = parse_request(await self.body(request), kind)
         sampling = sampling_for(req, self.config.sampling_defaults)
         pool = self.pool
-        tokens, stop = await run_in_threadpool(prepare_prompt, pool, req)
-        gbnf, bias = await run_in_threadpool(engine_constraints, pool, req)
+        reply = None
+        if req.kind == "chat" and req.tools is not None:   # tools: prompt and grammar of tool_serving
+            plan, tokens, gbnf = await run_in_threadpool(tool_prompt, pool, req)
+            stop = list(req.stop)
+            _, bias = await run_in_threadpool(engine_constraints, pool, req, False)
+            reply = ToolReply(plan, pool.front.target)
+        else:
+            tokens, stop = await run_in_threadpool(prepare_prompt, pool, req)
+            gbnf, bias = await run_in_threadpool(engine_constraints, pool, req)
         max_tokens = req.max_tokens if req.max_tokens > 0 else pool.n_ctx
         loop = asyncio.get_running_loop()
         events: "asyncio.Queue[Any]" = asyncio.Queue()
@@ -222,6 +232,8 @@ class Serving:
         streaming = bool(req.stream)
 
         def on_event(ev: Any) -> None:   # from the worker thread
+            if not isinstance(ev, Chunk) and not isinstance(gbnf, (str, type(None))):
+                gbnf.close()   # a lazy grammar: the decoder worked on its own copy, now done
             if not streaming and isinstance(ev, Chunk):
                 # a non-streaming reply needs only its Done: no event-loop wake-up per step (on a
                 # 2-core machine each one takes CPU from llama.cpp's threads)
@@ -235,7 +247,7 @@ class Serving:
 
         job = Job(tokens, max_tokens, on_event, stop=stop, sampling=sampling, ignore_eos=req.ignore_eos,
                   grammar=gbnf, logit_bias=bias, n_probs=min(req.n_probs, int(pool.front.target.n_vocab)),
-                  post_sampling_probs=req.post_sampling_probs, cache_prompt=req.cache_prompt)
+                  post_sampling_probs=req.post_sampling_probs, cache_prompt=req.cache_prompt, reply=reply)
         try:
             pool.submit(job)
         except RuntimeError as e:   # the pool is closed: the server is shutting down
@@ -328,6 +340,11 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
             return ev
         st = ev.stats
         lp = srv.final_probs(ev, req) if job.n_probs > 0 else None
+        if job.reply is not None:
+            parsed, _, reason = job.reply.finish(ev, streamed=False)
+            msg = ToolReply.message(parsed) if parsed is not None else None
+            return fmt.chat_completion(fmt.new_id(kind), model, ev.text, reason, st.n_prompt, st.n_generated,
+                                       llama_timings(st), n_cached=st.n_cached, logprobs=lp, message=msg)
         build = fmt.chat_completion if kind == "chat" else fmt.text_completion
         return build(fmt.new_id(kind), model, ev.text, ev.finish_reason, st.n_prompt, st.n_generated,
                      llama_timings(st), n_cached=st.n_cached, logprobs=lp)
@@ -350,14 +367,22 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
         try:
             if kind == "chat":
                 yield {"data": chunk(role=True, text="")}
+            tools = job.reply is not None and job.reply.differ is not None
             while True:
                 ev = await events.get()
-                if isinstance(ev, Chunk):
+                if isinstance(ev, Chunk) and tools:
+                    for d in job.reply.deltas(ev.tokens):
+                        yield {"data": json.dumps(fmt.chat_chunk(cid, model, created, d))}
+                elif isinstance(ev, Chunk):
                     if ev.text or (ev.probs and job.n_probs > 0):
                         yield {"data": chunk(ev.text, probs=ev.probs)}
                 elif isinstance(ev, Done):
                     st = ev.stats
                     t = llama_timings(st)
+                    if tools:   # the last deltas, and "tool_calls" as the finish reason
+                        _, last, ev.finish_reason = job.reply.finish(ev, streamed=True)
+                        for d in last:
+                            yield {"data": json.dumps(fmt.chat_chunk(cid, model, created, d))}
                     if req.include_usage:
                         yield {"data": chunk(finish=ev.finish_reason)}
                         yield {"data": json.dumps(fmt.usage_chunk(kind, cid, model, created, st.n_prompt,

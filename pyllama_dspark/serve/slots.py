@@ -47,11 +47,12 @@ class Job:
     stop: Sequence[str] = ()
     sampling: Any = None
     ignore_eos: bool = False
-    grammar: Optional[str] = None          # GBNF text (json_schema / response_format already converted)
+    grammar: Any = None                    # GBNF text (json_schema / response_format converted) or a Grammar
     logit_bias: Optional[dict] = None      # token id -> bias (-inf: never drawn), ids already checked
     n_probs: int = 0                       # > 0: TokenProb per generated token (Chunk.probs / Done.probs)
     post_sampling_probs: bool = False      # probabilities after the sampler chain instead of the raw softmax
     cache_prompt: bool = True              # reuse what the slot's memories hold of the prompt
+    reply: Any = None                      # a chat request with tools: its tool_serving.ToolReply
     task_id: int = -1
     slot: int = -1
     cancel_event: threading.Event = field(default_factory=threading.Event)

@@ -1,0 +1,319 @@
+"""A reply's text -> content, reasoning and tool calls, as llama-server's chat parser splits it.
+
+llama-server (``--jinja``) parses every reply of a request with tools through the PEG parser of the
+template's format (``common/chat-peg-parser.cpp``): the text before the first call is ``content``, a
+leading ``<think>`` block is ``reasoning_content`` (whitespace-only reasoning dropped), each call's
+arguments are the raw JSON text the model wrote (trailing whitespace trimmed), and streaming sends the
+difference between successive parses of the text so far (``common_chat_msg_diff::compute_diffs``).
+:func:`parse_reply` does the same for the formats of :mod:`.tool_formats`; :class:`ReplyDiffer`
+turns successive partial parses into OpenAI ``delta`` objects.
+
+Where llama-server answers a reply that does not parse with an HTTP 500 ("The model produced output
+that does not match the expected ... format"), the whole text is returned as content instead (this
+only happens where no grammar ran: ``tool_choice: "none"``, or an ``auto`` reply that never
+triggered).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from pyllama_dspark.speculative.tool_formats import ToolFormat
+
+__all__ = ["ToolCall", "Reply", "parse_reply", "ReplyDiffer", "ReplyText", "new_call_id", "message_json"]
+
+_DEC = json.JSONDecoder()
+_WS = " \t\n\r"
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call_id(fmt: Optional[ToolFormat]) -> str:
+    """A call id: 9 alphanumerics where the template checks them (Mistral), else llama-server's 32."""
+    n = 9 if fmt is not None and fmt.id_key else 32
+    return "".join(secrets.choice(_ALNUM) for _ in range(n))
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str            # the JSON text as written (partial while streaming)
+    id: str = ""
+
+
+@dataclass
+class Reply:
+    content: str = ""
+    reasoning: str = ""
+    calls: List[ToolCall] = field(default_factory=list)
+
+
+def _skip_ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    return i
+
+
+class _Incomplete(Exception):
+    """The text ends inside the construct being read."""
+
+
+def _scan_object(s: str, i: int) -> Tuple[Dict[str, Tuple[int, Optional[int]]], Dict[str, object], int]:
+    """Read the JSON object at ``s[i]`` key by key: (key -> value span (end None: cut off), key ->
+    decoded value for complete ones, index after the object).  _Incomplete when the text ends first
+    (the spans read so far are in its args), ValueError when it is not JSON."""
+    if i >= len(s):
+        raise _Incomplete({}, {})
+    if s[i] != "{":
+        raise ValueError("not an object")
+    spans: Dict[str, Tuple[int, Optional[int]]] = {}
+    vals: Dict[str, object] = {}
+    i = _skip_ws(s, i + 1)
+    if i < len(s) and s[i] == "}":
+        return spans, vals, i + 1
+    while True:
+        if i >= len(s):
+            raise _Incomplete(spans, vals)
+        try:
+            key, i = _DEC.raw_decode(s, i)
+        except ValueError:
+            if s[i] == '"' and '"' not in s[i + 1:].replace('\\"', ""):
+                raise _Incomplete(spans, vals) from None
+            raise
+        if not isinstance(key, str):
+            raise ValueError("object key is not a string")
+        i = _skip_ws(s, i)
+        if i >= len(s):
+            raise _Incomplete(spans, vals)
+        if s[i] != ":":
+            raise ValueError("expected ':'")
+        i = _skip_ws(s, i + 1)
+        if i >= len(s):
+            raise _Incomplete(spans, vals)
+        start = i
+        try:
+            val, i = _DEC.raw_decode(s, i)
+        except ValueError:
+            spans[key] = (start, None)
+            raise _Incomplete(spans, vals) from None
+        spans[key], vals[key] = (start, i), val
+        i = _skip_ws(s, i)
+        if i >= len(s):
+            raise _Incomplete(spans, vals)
+        if s[i] == "}":
+            return spans, vals, i + 1
+        if s[i] != ",":
+            raise ValueError("expected ',' or '}'")
+        i = _skip_ws(s, i + 1)
+
+
+def _call_from(s: str, i: int, fmt: ToolFormat, names: Optional[set], partial: bool):
+    """(ToolCall or None (no name yet), index after it, complete?) for the call object at s[i]."""
+    try:
+        spans, vals, end = _scan_object(s, i)
+        done = True
+    except _Incomplete as e:
+        if not partial:
+            raise ValueError("the reply ends inside a tool call") from None
+        spans, vals = e.args if e.args else ({}, {})
+        end, done = len(s), False
+    name = vals.get("name")
+    if name is None:
+        if done:
+            raise ValueError("a tool call without a name")
+        return None, end, False
+    if not isinstance(name, str) or (names is not None and name not in names):
+        raise ValueError(f"unknown tool {name!r}")
+    span = spans.get(fmt.args_key)
+    if span is None:
+        if done:
+            raise ValueError(f"a tool call without {fmt.args_key!r}")
+        return ToolCall(name, ""), end, False
+    a0, a1 = span
+    args = s[a0:a1] if a1 is not None else s[a0:].rstrip(_WS)
+    if a1 is not None and not isinstance(vals.get(fmt.args_key), dict):
+        raise ValueError("tool call arguments are not a JSON object")
+    return ToolCall(name, args), end, done
+
+
+def _split_reasoning(text: str, fmt: ToolFormat) -> Tuple[str, str]:
+    if not fmt.think:
+        return "", text
+    open_, close = fmt.think
+    i = _skip_ws(text, 0)
+    if not text.startswith(open_, i):
+        return "", text
+    j = text.find(close, i + len(open_))
+    if j < 0:
+        return text[i + len(open_):], ""
+    return text[i + len(open_):j], text[_skip_ws(text, j + len(close)):]
+
+
+def _held_back(content: str, marker: str) -> str:
+    """Content without a tail that may be the start of ``marker`` (streaming)."""
+    for k in range(min(len(marker) - 1, len(content)), 0, -1):
+        if marker.startswith(content[-k:]):
+            return content[:-k]
+    return content
+
+
+def parse_reply(text: str, fmt: ToolFormat, names: Optional[Iterable[str]] = None, *, partial: bool = False) -> Reply:
+    """Split a reply (module doc); ``names``: the request's tools (a call of another name is not a
+    call); ``partial``: the text so far of a streaming reply (no error at a cut-off call)."""
+    names = None if names is None else set(names)
+    reasoning, rest = _split_reasoning(text, fmt)
+    if reasoning.strip(_WS) == "":
+        reasoning = ""
+    reply = Reply(reasoning=reasoning)
+    marker = fmt.first_marker
+    if marker:
+        k = rest.find(marker)
+        if k < 0:
+            reply.content = _held_back(rest, marker) if partial else rest
+            return reply
+    else:   # llama3: the whole reply is the call
+        k = _skip_ws(rest, 0)
+        if not rest.startswith("{", k):
+            reply.content = rest
+            return reply
+    try:
+        calls = _calls(rest, k, fmt, names, partial)
+    except ValueError:
+        reply.content = rest       # not a call after all (no grammar ran)
+        return reply
+    reply.content = rest[:k] if marker else ""
+    reply.calls = calls
+    return reply
+
+
+def _calls(s: str, k: int, fmt: ToolFormat, names, partial: bool) -> List[ToolCall]:
+    out: List[ToolCall] = []
+    i = k + len(fmt.section_open)
+    if fmt.array:
+        i = _skip_ws(s, i)
+        if i >= len(s) and partial:
+            return out
+        if not s.startswith("[", i):
+            raise ValueError("expected '['")
+        i = _skip_ws(s, i + 1)
+        while True:
+            if i >= len(s) and partial:
+                return out
+            call, i, done = _call_from(s, i, fmt, names, partial)
+            if call is not None:
+                out.append(call)
+            if not done:
+                return out
+            i = _skip_ws(s, i)
+            if i >= len(s) and partial:
+                return out
+            if s.startswith("]", i):
+                i += 1
+                break
+            if not s.startswith(",", i):
+                raise ValueError("expected ',' or ']'")
+            i = _skip_ws(s, i + 1)
+    else:
+        while True:
+            if not s.startswith(fmt.call_open, i):
+                if partial and fmt.call_open.startswith(s[i:]):
+                    return out
+                raise ValueError("expected a tool call")
+            i = _skip_ws(s, i + len(fmt.call_open))
+            call, i, done = _call_from(s, i, fmt, names, partial)
+            if call is not None:
+                out.append(call)
+            if not done:
+                return out
+            i = _skip_ws(s, i)
+            if fmt.call_close:
+                close = fmt.call_close.strip(_WS)
+                if not s.startswith(close, i):
+                    if partial and close.startswith(s[i:]):
+                        return out
+                    raise ValueError("expected the end of a tool call")
+                i = _skip_ws(s, i + len(close))
+            if i >= len(s) or not fmt.call_open:
+                break
+    if s[_skip_ws(s, i):].strip(_WS) and not partial:
+        raise ValueError("text after the tool calls")
+    return out
+
+
+class ReplyDiffer:
+    """Successive parses of a streaming reply -> OpenAI ``delta`` dicts (llama-server's
+    ``compute_diffs``: reasoning, then content, then the last known call's new argument text, then
+    new calls with their id and name).  Ids are drawn once per call index."""
+
+    def __init__(self, fmt: ToolFormat, names: Optional[Iterable[str]] = None):
+        self.fmt = fmt
+        self.names = None if names is None else list(names)
+        self.prev = Reply()
+        self.ids: List[str] = []
+
+    def _id(self, i: int) -> str:
+        while len(self.ids) <= i:
+            self.ids.append(new_call_id(self.fmt))
+        return self.ids[i]
+
+    def update(self, text: str, final: bool = False) -> Tuple[Reply, List[dict]]:
+        new = parse_reply(text, self.fmt, self.names, partial=not final)
+        deltas: List[dict] = []
+        prev = self.prev
+        for key, a, b in (("reasoning_content", prev.reasoning, new.reasoning), ("content", prev.content, new.content)):
+            if b != a and b.startswith(a):
+                deltas.append({key: b[len(a):]})
+        if len(new.calls) < len(prev.calls):   # cannot happen with a prefix of a valid reply
+            new.calls = prev.calls + new.calls[len(prev.calls):]
+        if prev.calls:
+            j = len(prev.calls) - 1
+            d = new.calls[j].arguments[len(prev.calls[j].arguments):]
+            if d and new.calls[j].arguments.startswith(prev.calls[j].arguments):
+                deltas.append({"tool_calls": [{"index": j, "function": {"arguments": d}}]})
+        for j in range(len(prev.calls), len(new.calls)):
+            c = new.calls[j]
+            fn = {"name": c.name}
+            if c.arguments:
+                fn["arguments"] = c.arguments
+            deltas.append({"tool_calls": [{"index": j, "id": self._id(j), "type": "function", "function": fn}]})
+        for j, c in enumerate(new.calls):
+            c.id = self._id(j)
+        self.prev = new
+        return new, deltas
+
+
+class ReplyText:
+    """Token ids -> reply text, rendering the special tokens of a tool-call format (``[TOOL_CALLS]``
+    is a control token: llama-server renders it as a "preserved token").  ``piece(token, special)``
+    is the target's ``token_to_piece``; ``eog(token)``: end-of-generation tokens are not text."""
+
+    def __init__(self, piece: Callable[[int, bool], bytes], eog: Callable[[int], bool], special: Sequence[int] = ()):
+        self._piece, self._eog, self.special = piece, eog, frozenset(int(t) for t in special)
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+
+    def push(self, tokens: Iterable[int]) -> str:
+        out = "".join(self._dec.decode(self._piece(int(t), int(t) in self.special)) for t in tokens
+                      if not self._eog(int(t)))
+        self.text += out
+        return self.text
+
+    def finish(self) -> str:
+        self.text += self._dec.decode(b"", final=True)
+        return self.text
+
+
+def message_json(reply: Reply) -> dict:
+    """The assistant message of a chat completion, as llama-server writes it
+    (``common_chat_msg::to_json_oaicompat``: ``content`` "" when empty)."""
+    msg: dict = {"role": "assistant", "content": reply.content}
+    if reply.reasoning:
+        msg["reasoning_content"] = reply.reasoning
+    if reply.calls:
+        msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}, "id": c.id}
+                             for c in reply.calls]
+    return msg
