@@ -95,7 +95,7 @@ def split_draft_type(spec: Optional[str]) -> Tuple[Optional[str], Optional[str]]
     if len(parts) <= n_base:
         return spec, None
     if len(parts) > n_base + 1:
-        raise ValueError(f"{spec!r}: expected {':'.join(parts[:n_base])}:TYPE with TYPE one of "
+        raise ValueError(f"{spec!r}: expected {':'.join(parts[:n_base])}:TYPE with the weight type one of "
                          f"{', '.join(DRAFT_TYPES)}")
     try:
         wt = check_draft_type(parts[n_base])

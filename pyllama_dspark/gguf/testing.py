@@ -325,7 +325,7 @@ def make_test_draft(
         """``enc`` None: the type :func:`draft_tensor_type` gives at ``weight_type``."""
         if enc is None:
             enc = draft_tensor_type(name, arr.shape, weight_type)
-            if weight_type != "f32" and enc != "f32":
+            if weight_type != "f32":          # a released checkpoint's values, also where kept F32
                 arr = _bf16_rounded(arr)
         tensors[name] = _encode(arr, enc)
 
