@@ -60,7 +60,7 @@ class ToolReply:
     def __init__(self, plan: ToolPlan, target):
         self.plan = plan
         self.text = ReplyText(target.token_to_piece, target.is_eog, plan.special_ids(target))
-        self.differ = ReplyDiffer(plan.fmt, plan.names) if plan.parses else None
+        self.differ = ReplyDiffer(plan.fmt, plan.names, plan.lstrip) if plan.parses else None
 
     def deltas(self, tokens) -> List[dict]:
         """The ``delta`` objects of newly emitted tokens (content, reasoning, tool calls)."""

@@ -140,17 +140,28 @@ def _call_from(s: str, i: int, fmt: ToolFormat, names: Optional[set], partial: b
     return ToolCall(name, args), end, done
 
 
-def _split_reasoning(text: str, fmt: ToolFormat) -> Tuple[str, str]:
+def _split_reasoning(text: str, fmt: ToolFormat, partial: bool = False) -> Tuple[str, str]:
+    """(reasoning, the rest) as llama.cpp's reasoning parser reads a leading block: the tags' own
+    newlines (``<think>\n`` ... ``\n</think>\n\n``) are optional and not part of either side."""
     if not fmt.think:
         return "", text
     open_, close = fmt.think
-    i = _skip_ws(text, 0)
-    if not text.startswith(open_, i):
+    if not text.startswith(open_):
+        if partial and text and open_.startswith(text):
+            return "", ""     # maybe the start of the tag: nothing to show yet
         return "", text
-    j = text.find(close, i + len(open_))
+    i = len(open_) + (1 if text.startswith("\n", len(open_)) else 0)
+    j = text.find(close, i)
     if j < 0:
-        return text[i + len(open_):], ""
-    return text[i + len(open_):j], text[_skip_ws(text, j + len(close)):]
+        if not partial:
+            return text[i:], ""
+        held = _held_back(text[i:], close)
+        return (held[:-1] if held.endswith("\n") else held), ""   # the newline may belong to the tag
+    inner = text[i:j]
+    rest = text[j + len(close):]
+    for _ in range(2):
+        rest = rest[1:] if rest.startswith("\n") else rest
+    return (inner[:-1] if inner.endswith("\n") else inner), rest
 
 
 def _held_back(content: str, marker: str) -> str:
@@ -161,11 +172,16 @@ def _held_back(content: str, marker: str) -> str:
     return content
 
 
-def parse_reply(text: str, fmt: ToolFormat, names: Optional[Iterable[str]] = None, *, partial: bool = False) -> Reply:
+def parse_reply(text: str, fmt: ToolFormat, names: Optional[Iterable[str]] = None, *, partial: bool = False,
+                lstrip: bool = True) -> Reply:
     """Split a reply (module doc); ``names``: the request's tools (a call of another name is not a
-    call); ``partial``: the text so far of a streaming reply (no error at a cut-off call)."""
+    call); ``partial``: the text so far of a streaming reply (no error at a cut-off call);
+    ``lstrip``: leading whitespace is not content (llama.cpp's parser skips the space after the
+    generation prompt, except after a reasoning block the prompt already closed)."""
     names = None if names is None else set(names)
-    reasoning, rest = _split_reasoning(text, fmt)
+    if lstrip:
+        text = text.lstrip(_WS)
+    reasoning, rest = _split_reasoning(text, fmt, partial)
     if reasoning.strip(_WS) == "":
         reasoning = ""
     reply = Reply(reasoning=reasoning)
@@ -249,9 +265,10 @@ class ReplyDiffer:
     ``compute_diffs``: reasoning, then content, then the last known call's new argument text, then
     new calls with their id and name).  Ids are drawn once per call index."""
 
-    def __init__(self, fmt: ToolFormat, names: Optional[Iterable[str]] = None):
+    def __init__(self, fmt: ToolFormat, names: Optional[Iterable[str]] = None, lstrip: bool = True):
         self.fmt = fmt
         self.names = None if names is None else list(names)
+        self.lstrip = lstrip
         self.prev = Reply()
         self.ids: List[str] = []
 
@@ -261,7 +278,7 @@ class ReplyDiffer:
         return self.ids[i]
 
     def update(self, text: str, final: bool = False) -> Tuple[Reply, List[dict]]:
-        new = parse_reply(text, self.fmt, self.names, partial=not final)
+        new = parse_reply(text, self.fmt, self.names, partial=not final, lstrip=self.lstrip)
         deltas: List[dict] = []
         prev = self.prev
         for key, a, b in (("reasoning_content", prev.reasoning, new.reasoning), ("content", prev.content, new.content)):

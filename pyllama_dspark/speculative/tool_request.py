@@ -146,6 +146,12 @@ class ToolPlan:
     names: List[str] = field(default_factory=list)
     choice: Union[str, dict] = "auto"
     parallel: bool = True
+    think_closed: bool = False           # the prompt ends after a closed reasoning block
+
+    @property
+    def lstrip(self) -> bool:
+        """Whether the reply's leading whitespace is skipped when parsed (:func:`~.tool_parse.parse_reply`)."""
+        return not self.think_closed
 
     @property
     def parses(self) -> bool:
@@ -194,7 +200,7 @@ def plan_tools(chat: ToolChat, messages: Sequence[dict], tools: Sequence[dict], 
     if parallel is None:   # llama-server's default: what the template can render
         parallel = chat.caps.supports_parallel_tool_calls or (fmt is not None and fmt.system_tools)
     r = chat.render(messages, tools, template_kwargs=template_kwargs)
-    think = fmt is not None and fmt.think is not None and not r.prompt.rstrip().endswith(fmt.think[1])
-    grammar = tool_grammar(fmt, tools, choice, bool(parallel), think) if fmt is not None and tools else None
+    closed = fmt is not None and fmt.think is not None and r.prompt.rstrip().endswith(fmt.think[1])
+    grammar = tool_grammar(fmt, tools, choice, bool(parallel), not closed) if fmt is not None and tools else None
     return ToolPlan(fmt, r.prompt, r.added_special, grammar, [t["function"]["name"] for t in tools], choice,
-                    bool(parallel))
+                    bool(parallel), closed)
