@@ -262,6 +262,27 @@ extern "C" int32_t dspark_argmax_rows(llama_context * ctx, int32_t i0, int32_t n
         if (!ctx || !ids || n <= 0 || i0 < 0) return fail(DSPARK_E_INVALID, "bad argument");
         const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
         for (int32_t r = 0; r < n; ++r) {
+            // a row of a sequence with a backend sampler (llama_set_sampler): what the device read
+            // out, with no vocabulary-sized row copied: a greedy chain's token (no margin known),
+            // or a top-2 chain's two candidates and logits (the larger; a tie to the lower id, as
+            // the host scan breaks it)
+            const llama_token tok = llama_get_sampled_token_ith(ctx, i0 + r);
+            if (tok != LLAMA_TOKEN_NULL) {
+                ids[r] = tok;
+                if (margin) margin[r] = INFINITY;
+                continue;
+            }
+            if (llama_get_sampled_candidates_count_ith(ctx, i0 + r) == 2 &&
+                llama_get_sampled_logits_count_ith(ctx, i0 + r) == 2) {
+                const llama_token * c = llama_get_sampled_candidates_ith(ctx, i0 + r);
+                const float * l = llama_get_sampled_logits_ith(ctx, i0 + r);
+                if (c && l) {
+                    const bool first = l[0] > l[1] || (l[0] == l[1] && c[0] < c[1]);
+                    ids[r] = first ? c[0] : c[1];
+                    if (margin) margin[r] = std::fabs(l[0] - l[1]);
+                    continue;
+                }
+            }
             const float * row = llama_get_logits_ith(ctx, i0 + r);
             if (!row) return fail(DSPARK_E_STATE, "row %d of the last decode has no logits (not an output)", i0 + r);
             dspark::argmax_row_f32(row, n_vocab, ids + r, margin ? margin + r : nullptr);

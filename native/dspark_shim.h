@@ -65,7 +65,9 @@ DSPARK_API int32_t dspark_target_copy_features(const dspark_target * t, int32_t 
 
 // ---------------------------------------------------------------------------------------------
 // Output read-out helpers (any context): argmax of logits rows i0..i0+n-1 of the last decode, and
-// the gap between the best and second-best logit of each row (near-tie detection).
+// the gap between the best and second-best logit of each row (near-tie detection).  A row of a
+// sequence with a backend sampler (llama_set_sampler) is read from what the device sampled: a
+// greedy chain's token (margin +inf: unknown) or a top-2 chain's two candidates (no logits row).
 DSPARK_API int32_t dspark_argmax_rows(struct llama_context * ctx, int32_t i0, int32_t n, int32_t * ids, float * margin);
 // ids[0..k-1] = indices of the k largest of x[0..n-1] (in no particular order; ties go to the
 // lower index).  The sampler chain's top-k selection.

@@ -44,7 +44,8 @@ class Speculator(Owned):
                  schedule: Union[str, VerifyPolicy, None] = "auto", cost_profile=None, kv_unified: bool = False,
                  rpc: Union[str, Sequence[str], None] = None, tensor_split: Sequence[float] = (),
                  n_gpu_layers_draft: Union[int, str, None] = None, conf_min: Optional[float] = None,
-                 p_survival_min: Optional[float] = None, calibration: Optional[str] = None, regime: str = "any"):
+                 p_survival_min: Optional[float] = None, calibration: Optional[str] = None, regime: str = "any",
+                 backend_sampling: str = "auto"):
         """``n_seq``: sequences the contexts hold (``n_ctx`` is shared among them), for a
         :class:`~pyllama_dspark.decode.loop.Decoder` over ``target`` / ``proposer``; ``stream``/``generate`` use
         sequence 0.
@@ -59,6 +60,9 @@ class Speculator(Owned):
 
         ``n_gpu_layers``: llama.cpp's ``-ngl``, a count, ``"auto"`` (the default, as llama.cpp's:
         every layer on the GPU when the model fits, fewer when not, none without a GPU) or ``"all"``.
+        ``backend_sampling``: greedy rows read out on the device, only their top 2 copied back
+        (llama.cpp's ``-bs``; :mod:`~pyllama_dspark.llama.backend_sampling`): ``"auto"`` (on when the
+        layers are offloaded), ``"on"`` or ``"off"``.
         ``rpc``: llama.cpp RPC servers (``"host:port,..."``, llama-server's ``--rpc``) that the
         ``n_gpu_layers`` offloaded layers go to, split by ``tensor_split`` (``-ts``); each is probed
         first (:class:`~pyllama_dspark.llama.rpc.RpcEndpointError` if unreachable or busy).
@@ -79,7 +83,7 @@ class Speculator(Owned):
                                         flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, verbose=verbose,
                                         n_seq_max=int(n_seq), kv_unified=bool(kv_unified),
                                         rpc=tuple(parse_endpoints(rpc)), tensor_split=tuple(tensor_split or ()),
-                                        n_gpu_layers_draft=n_gpu_layers_draft)
+                                        n_gpu_layers_draft=n_gpu_layers_draft, backend_sampling=backend_sampling)
         self.settings.validate()
         oracle_p = parse_oracle(draft_path)
         if oracle_p is not None:

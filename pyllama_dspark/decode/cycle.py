@@ -38,6 +38,8 @@ class Stats:
     ms_sample: float = 0.0               # T > 0: target sampler chain + accept/resample (draft's is in ms_draft)
     seed: Optional[int] = None           # T > 0: the seed the generation used (resolved if it was random)
     ms_total: float = 0.0                # generation phase (after prefill)
+    ms_llama: float = 0.0                # of ms_total: inside llama.cpp's decodes (this request's share)
+    ms_hidden: float = 0.0               # a proposer's own work kept out of ms_total (the oracle's truth)
     schedule: Optional[str] = None       # what the verification schedule chose, and why (one line)
 
     def record(self, n_drafted: int, n_acc: int) -> None:
@@ -66,6 +68,12 @@ class Stats:
     @property
     def ms_overhead(self) -> float:
         return max(0.0, self.ms_total - self.ms_draft - self.ms_verify - self.ms_inject - self.ms_sample)
+
+    @property
+    def ms_host(self) -> float:
+        """The host's own work: the generation's time outside llama.cpp's decodes (our loop, the
+        readbacks, the accept rule, the bookkeeping and the caller's handling of each cycle)."""
+        return max(0.0, self.ms_total - self.ms_llama)
 
     @property
     def tokens_per_second(self) -> float:
@@ -98,6 +106,10 @@ class Stats:
                 "sample": round(self.ms_sample, 3),
                 "overhead": round(self.ms_overhead, 3),
                 "total": round(self.ms_total, 3),
+                "llama": round(self.ms_llama, 3),
+                "host": round(self.ms_host, 3),
+                "host_per_cycle": round(self.ms_host / self.cycles, 4) if self.cycles else 0.0,
+                **({"hidden": round(self.ms_hidden, 3)} if self.ms_hidden else {}),
             },
         }
 
@@ -110,7 +122,7 @@ class Stats:
                 f"ms/cycle draft {self.ms_draft / c:.2f} verify {self.ms_verify / c:.2f} "
                 f"inject {self.ms_inject / c:.2f} "
                 + (f"sample {self.ms_sample / c:.2f} " if self.ms_sample else "")
-                + f"overhead {self.ms_overhead / c:.3f}")
+                + f"overhead {self.ms_overhead / c:.3f}, host {self.ms_host / c:.3f}")
 
 
 @dataclass

@@ -40,7 +40,7 @@ from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCac
 from pyllama_dspark.decode.request import Request, grammar_cut, make_request, token_probs
 from pyllama_dspark.llama.handles import Draft, Target
 from pyllama_dspark.speculative.drafter import (BlockRequest, DraftModelProposer, NoDraft, Proposer, check_n_max,
-                                         observe_later, propose_all)
+                                                hidden_ms_of, llama_ms_of, observe_later, propose_all)
 from pyllama_dspark.speculative.policy import VerifyPolicy
 from pyllama_dspark.speculative.sampling import SamplingParams
 from pyllama_dspark.speculative.verify import greedy_accept, speculative_accept
@@ -267,7 +267,7 @@ class Decoder:
         s.stats.n_generated = len(s.out)
         if self._policy is not None and self._prop is not None:
             s.stats.schedule = self._policy.summary(s.stats.verify_lengths)
-        s.stats.ms_total = (time.perf_counter() - s.t_start) * 1e3 - s.stats.ms_prefill
+        s.stats.ms_total = (time.perf_counter() - s.t_start) * 1e3 - s.stats.ms_prefill - s.stats.ms_hidden
         done = Done(s.out, s.text.text, s.finish, s.stats, s.text.stop_word, s.probs if s.n_probs else None)
         if self.streaming:
             if s.pending or tail:
@@ -291,6 +291,7 @@ class Decoder:
         tgt, prop = self.target, self._prop
         pol = self._policy or self._fixed
         clock = time.perf_counter
+        llama0 = tgt.llama_ms + llama_ms_of(prop)
         t0 = clock()
         # 1. propose (a request whose block would not fit its context, or that may emit one more
         # token only, drafts nothing)
@@ -299,6 +300,7 @@ class Decoder:
         qs: List[Optional[list]] = [None] * R
         cut_q: list = [None] * R   # a grammar cut the block before this draft's q (see grammar_cut)
         n_in_pass = 0
+        hidden = 0.0
         if prop is not None:
             offset = getattr(prop, "offset", 0)
             room = [r for r, s in enumerate(act)
@@ -307,7 +309,7 @@ class Decoder:
             if room and pol.want_draft(len(room)):
                 # the policy's block: a cost-driven one drafts only what it plans to verify
                 n_block = pol.draft_length(len(room), max(act[r].n_max for r in room))
-                caught = prop.catch_up_ms()
+                caught, hidden = prop.catch_up_ms(), hidden_ms_of(prop)
                 props = propose_all(prop, [BlockRequest(act[r].anchor, act[r].pos0, min(act[r].n_max, n_block),
                                                         act[r].seq_id, act[r].smp) for r in room])
                 for r, p in zip(room, props):
@@ -322,7 +324,12 @@ class Decoder:
                             confs[r] = confs[r][:len(drafts[r])]
                 n_in_pass = len(room)
                 caught = prop.catch_up_ms() - caught
+                hidden = hidden_ms_of(prop) - hidden
         t1 = clock()
+        if hidden:   # a proposer's own work that no drafter does (the oracle's truth): not timed
+            t0 += hidden / 1e3
+            for r in room:
+                act[r].stats.ms_hidden += hidden / len(room)
         # 2. verify lengths
         n_drafted = [0 if d is None else len(d) for d in drafts]
         lengths = pol.lengths(confs, n_drafted) if n_in_pass else n_drafted
@@ -333,7 +340,9 @@ class Decoder:
         tok, pos, seqs = self._rows_tok, self._rows_pos, self._rows_seq
         offs = []
         n = 0
+        want_device = tgt.samplers.want
         for s, d, k in zip(act, drafts, lengths):
+            want_device(s.seq_id, s.smp is None and not s.n_probs)   # request.device_greedy
             offs.append(n)
             tok[n] = s.anchor
             if k:
@@ -393,7 +402,9 @@ class Decoder:
         if self._policy is not None and prop is not None:
             self._policy.observe_cycle(R, n, (t3 - t1) * 1e3)
         inject_share = ((t3 - t2) * 1e3 - sum(ms_sample)) / R
+        llama_share = (tgt.llama_ms + llama_ms_of(prop) - llama0) / R
         for r, s in enumerate(act):
+            s.stats.ms_llama += llama_share
             # the draft pass is shared by the requests that were in it
             if n_in_pass and drafts[r] is not None:
                 s.stats.ms_draft += (t1 - t0) * 1e3 / n_in_pass

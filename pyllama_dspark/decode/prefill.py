@@ -15,7 +15,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from pyllama_dspark.decode.request import Request, token_probs
+from pyllama_dspark.decode.request import Request, device_greedy, token_probs
 from pyllama_dspark.speculative.drafter import observe_later
 
 
@@ -28,7 +28,7 @@ def prefill(dec, reqs: Sequence[Request]) -> None:
     for s in sorted(reqs, key=lambda r: r.seq_id):   # rows in sequence order (see .loop's step)
         s.t_start = t0
         seq = s.seq_id
-        start, row = cache.resume(tgt, prop, seq, s.prompt) if s.reuse else (0, None)
+        start, row = cache.resume(tgt, prop, seq, s.prompt, device_greedy(s)) if s.reuse else (0, None)
         if not s.reuse:
             cache.forget(seq)
         s.stats.n_cached = int(start)
@@ -39,6 +39,9 @@ def prefill(dec, reqs: Sequence[Request]) -> None:
             tgt.seq_rm(seq, 0, -1)
             if prop is not None:
                 prop.reset(seq)
+        # the first token: from the device's top 2 where the request is greedy (the prompt cache
+        # then keeps that token, not a row: llama/backend_sampling.py), else from the logits row
+        tgt.samplers.want(seq, device_greedy(s))
         todo.append([s, start])
     # with a cost-driven policy the prompt's feature rows wait on the host until a block is drafted:
     # a run in which drafting never pays makes no draft decode at all (the first is a cold one)
@@ -79,10 +82,17 @@ def _first_token(dec, s: Request, idx: int = -1, row=None) -> None:
     """The request's first token from its last prompt row (output ``idx`` of the last decode, or
     the kept ``row``), then the bookkeeping of a finished prefill."""
     tgt = dec.target
-    if row is None:
+    if isinstance(row, (int, np.integer)):   # a kept greedy token (prompt cache, device read-out)
+        s.anchor = int(row)
+    elif row is None and tgt.samplers.has(s.seq_id):   # greedy, read out on the device: no row here
+        tgt.argmax(idx, 1, dec._ids, dec._margin)
+        s.anchor = int(dec._ids[0])
+        if dec.keep_memory:
+            dec.cache.prompt_row[s.seq_id] = (s.prompt.copy(), None, s.anchor)
+    elif row is None:
         row = tgt.logits_view(idx)
         if dec.keep_memory:
-            dec.cache.prompt_row[s.seq_id] = (s.prompt.copy(), row.copy())
+            dec.cache.prompt_row[s.seq_id] = (s.prompt.copy(), row.copy(), int(np.argmax(row)))
         if s.smp is None:
             tgt.argmax(idx, 1, dec._ids, dec._margin)
             s.anchor = int(dec._ids[0])

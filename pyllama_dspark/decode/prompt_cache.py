@@ -64,7 +64,9 @@ class PromptCache:
             raise ValueError(f"the slot prompt similarity must be in [0, 1], got {similarity}")
         self.similarity = float(similarity)
         self.tokens: Dict[int, np.ndarray] = {}
-        self.prompt_row: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+        # per slot: (the prompt, the logits row after it or None, the greedy token after it); the
+        # row is None where it was read out on the device (greedy only: no row came back)
+        self.prompt_row: Dict[int, Tuple[np.ndarray, Optional[np.ndarray], int]] = {}
         self._used: Dict[int, int] = {}
         self._clock = itertools.count()
 
@@ -90,17 +92,18 @@ class PromptCache:
         """The free slot a request with this prompt gets (llama-server's rule, see above)."""
         return pick_slot(free, prompt, self.tokens.get, self._used.get, self.similarity)
 
-    def resume(self, target, prop, seq: int, prompt: np.ndarray) -> Tuple[int, Optional[np.ndarray]]:
+    def resume(self, target, prop, seq: int, prompt: np.ndarray, greedy: bool = False):
         """Where the prompt's decode starts in slot ``seq`` (the memories' tail from there removed),
-        and the kept logits row when they hold the whole prompt already (nothing to decode)."""
+        and, when they hold the whole prompt already (nothing to decode), the kept logits row, or
+        for a ``greedy`` request whose row was read out on the device the kept token (an int)."""
         held = self.tokens.pop(seq, None)
         if held is None:
             return 0, None
         start = common_prefix(held, prompt)
         kept = self.prompt_row.get(seq)
         if (start == prompt.size and kept is not None and np.array_equal(kept[0], prompt)
-                and target.can_resume_at(seq, start)):
-            row = kept[1]
+                and (kept[1] is not None or greedy) and target.can_resume_at(seq, start)):
+            row = kept[1] if kept[1] is not None else kept[2]
         else:
             row = None
             start = min(start, prompt.size - 1)

@@ -109,6 +109,12 @@ def make_request(rid: int, target, pieces, eog: np.ndarray, n_ctx_seq: int, max_
     return s
 
 
+def device_greedy(s: Request) -> bool:
+    """Whether the request's verify rows can be read out on the device (their argmax and top-2 gap,
+    no logits row): greedy, with no sampler state (penalties, bias, grammar) and no log-probs."""
+    return s.smp is None and not s.n_probs
+
+
 def grammar_cut(smp: TokenSampler, drafts: np.ndarray, q_rows, n_vocab: int):
     """Cut a drafted block before its first token the request's grammar rejects: (the kept
     drafts, the distribution the cut draft was drawn from, or None when nothing was cut)."""

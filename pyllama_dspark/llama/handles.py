@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import time
 import weakref
 from typing import List, Optional, Sequence
 
@@ -23,6 +24,7 @@ from llama_cpp import llama_cpp as ll
 from pyllama_dspark.llama import _native as nat
 from pyllama_dspark.llama import rpc
 from pyllama_dspark.llama.backend import check_gguf_file, ensure_backend
+from pyllama_dspark.llama.backend_sampling import Top2Samplers
 from pyllama_dspark.llama.offload import resolve_n_gpu_layers
 from pyllama_dspark.llama.settings import ContextSettings  # noqa: F401  (re-exported: its historical home)
 from pyllama_dspark.llama.draft_meta import DraftMeta
@@ -57,7 +59,24 @@ class Owned:
 
 
 class _ModelCtx(Owned):
-    """A llama_model + one llama_context over it."""
+    """A llama_model + one llama_context over it.
+
+    ``llama_ms``: milliseconds spent inside llama.cpp's decodes on this context (a decode waits
+    for the device before it returns; an injection does not, its wait counts in the next decode),
+    so that what the loop spends around them (the host's own work per cycle) can be reported."""
+
+    llama_ms = 0.0
+    samplers: Top2Samplers = Top2Samplers(None, False)   # none until a context is made (llama/backend_sampling.py)
+
+    def _llama(self, fn, *args, sync: bool = True):
+        """``fn(*args)`` (a native decode), timed into :attr:`llama_ms`; ``sync``: wait for the
+        device to finish it (llama_synchronize) inside the timed span."""
+        t = time.perf_counter()
+        rc = fn(*args)
+        if sync:
+            ll.llama_synchronize(self.ctx)
+        self.llama_ms += (time.perf_counter() - t) * 1e3
+        return rc
 
     def _load(self, path: str, settings: ContextSettings, ctx_other=None) -> None:
         settings.validate()
@@ -88,6 +107,7 @@ class _ModelCtx(Owned):
             self.model = None
             raise NativeError(f"llama.cpp could not create a context for {self.path}")
         self._read_sizes()
+        self.samplers = Top2Samplers(self.ctx, self.settings.device_readout)
         self._closed = False
 
     def _read_sizes(self) -> None:
@@ -100,6 +120,8 @@ class _ModelCtx(Owned):
         self.memory = ll.llama_get_memory(self.ctx)
 
     def _free_model_ctx(self) -> None:
+        if getattr(self, "samplers", None) is not None:
+            self.samplers.close(ctx_alive=bool(getattr(self, "ctx", None)))
         if getattr(self, "ctx", None):
             ll.llama_free(self.ctx)
             self.ctx = None
@@ -278,8 +300,8 @@ class Target(_ModelCtx):
         pos = self._pos[:n] + np.int32(pos0) if pos0 else self._pos[:n]
         outputs = self._ones if all_outputs else self._last_only(n)
         seq = self._seq[:n] if seq_id == 0 else np.full(n, seq_id, dtype=np.int32)
-        rc = nat.target_decode(self.handle, nat.ptr_i32(tokens), nat.ptr_i32(np.ascontiguousarray(pos)),
-                               nat.ptr_i32(seq), nat.ptr_i8(outputs), n)
+        rc = self._llama(nat.target_decode, self.handle, nat.ptr_i32(tokens), nat.ptr_i32(np.ascontiguousarray(pos)),
+                         nat.ptr_i32(seq), nat.ptr_i8(outputs), n)
         self.n_decodes += 1
         nat.check(rc, "target decode")
 
@@ -287,8 +309,8 @@ class Target(_ModelCtx):
         """General form: one row per entry (batched sequences)."""
         self._alive()
         n = len(tokens)
-        rc = nat.target_decode(self.handle, nat.ptr_i32(tokens), nat.ptr_i32(pos), nat.ptr_i32(seq_ids),
-                               nat.ptr_i8(outputs), n)
+        rc = self._llama(nat.target_decode, self.handle, nat.ptr_i32(tokens), nat.ptr_i32(pos), nat.ptr_i32(seq_ids),
+                         nat.ptr_i8(outputs), n)
         self.n_decodes += 1
         nat.check(rc, "target decode")
 
@@ -340,7 +362,8 @@ class Draft(_ModelCtx):
         """Inject the target's captured rows row0.. (last target decode) at pos0.. of seq_id."""
         self._alive()
         self._hidden_rows = 0
-        nat.check(nat.draft_inject_captured(self.handle, row0, n, pos0, seq_id), "draft inject")
+        nat.check(self._llama(nat.draft_inject_captured, self.handle, row0, n, pos0, seq_id, sync=False),
+                  "draft inject")
 
     def inject(self, rows: np.ndarray, pos: np.ndarray, seq_id: int = 0) -> None:
         self._alive()
@@ -349,7 +372,8 @@ class Draft(_ModelCtx):
         if rows.ndim != 2 or rows.shape[1] != self.target.feature_width or len(pos) != rows.shape[0]:
             raise ValueError(f"feature rows must be [n, {self.target.feature_width}] with n positions")
         self._hidden_rows = 0
-        nat.check(nat.draft_inject(self.handle, nat.ptr_f32(rows), rows.shape[0], nat.ptr_i32(pos), seq_id),
+        nat.check(self._llama(nat.draft_inject, self.handle, nat.ptr_f32(rows), rows.shape[0], nat.ptr_i32(pos), seq_id,
+                              sync=False),
                   "draft inject")
 
     def decode_block(self, tokens: np.ndarray, pos0: int, seq_id: int = 0, hidden: bool = False) -> None:
@@ -364,8 +388,8 @@ class Draft(_ModelCtx):
         if hidden:
             ll.llama_set_embeddings(self.ctx, True)
         try:
-            nat.check(nat.draft_decode_blocks(self.handle, nat.ptr_i32(tokens), len(tokens),
-                                              nat.ptr_i32(self._pos0), nat.ptr_i32(self._seq), 1), "draft block decode")
+            nat.check(self._llama(nat.draft_decode_blocks, self.handle, nat.ptr_i32(tokens), len(tokens),
+                                  nat.ptr_i32(self._pos0), nat.ptr_i32(self._seq), 1), "draft block decode")
         finally:
             if hidden:
                 ll.llama_set_embeddings(self.ctx, False)
@@ -381,8 +405,8 @@ class Draft(_ModelCtx):
         if hidden:
             ll.llama_set_embeddings(self.ctx, True)
         try:
-            nat.check(nat.draft_decode_blocks(self.handle, nat.ptr_i32(tokens), block_len, nat.ptr_i32(pos0),
-                                              nat.ptr_i32(seq_ids), len(seq_ids)), "draft block decode")
+            nat.check(self._llama(nat.draft_decode_blocks, self.handle, nat.ptr_i32(tokens), block_len,
+                                  nat.ptr_i32(pos0), nat.ptr_i32(seq_ids), len(seq_ids)), "draft block decode")
         finally:
             if hidden:
                 ll.llama_set_embeddings(self.ctx, False)

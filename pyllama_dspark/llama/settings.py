@@ -11,7 +11,11 @@ from llama_cpp import llama_cpp as ll
 
 from pyllama_dspark.llama import rpc
 from pyllama_dspark.llama.backend import default_threads
+from pyllama_dspark.llama.backend_sampling import check_mode as check_backend_sampling
 from pyllama_dspark.llama.offload import ALL_LAYERS, parse_n_gpu_layers
+
+#: output rows per sequence and decode that backend sampling is set up for (llama/backend_sampling.py)
+BACKEND_SAMPLING_ROWS = 64
 
 _FLASH_ATTN = {
     "auto": ll.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -48,6 +52,9 @@ class ContextSettings:
     # what n_gpu_layers resolved to when the model was loaded (set by the loader, not by users):
     # a count, or -1 for every layer
     n_gpu_layers_resolved: Optional[int] = None
+    # llama.cpp's -bs / --spec-draft-backend-sampling: greedy rows read out on the device (their
+    # top 2, no logits row copied; llama/backend_sampling.py): "auto" (on when offloaded), "on", "off"
+    backend_sampling: str = "auto"
 
     def validate(self) -> None:
         if self.flash_attn not in _FLASH_ATTN:
@@ -55,6 +62,7 @@ class ContextSettings:
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        check_backend_sampling(self.backend_sampling)
         self.n_gpu_layers = parse_n_gpu_layers(self.n_gpu_layers)
         if self.n_gpu_layers_draft is not None:
             self.n_gpu_layers_draft = parse_n_gpu_layers(self.n_gpu_layers_draft)
@@ -72,6 +80,11 @@ class ContextSettings:
         """Whether the loaded model has layers on an offload device (GPU or RPC)."""
         n = self.n_gpu_layers_resolved if self.n_gpu_layers_resolved is not None else self.n_gpu_layers
         return isinstance(n, int) and (n > 0 or n == ALL_LAYERS)
+
+    @property
+    def device_readout(self) -> bool:
+        """Whether greedy rows are read out on the device (backend_sampling, resolved)."""
+        return self.backend_sampling == "on" or (self.backend_sampling == "auto" and self.offloaded)
 
     def placement(self):
         """Where the layers go, for cache keys: the resolved n_gpu_layers (as requested before a
@@ -100,4 +113,8 @@ class ContextSettings:
         p.swa_full = bool(self.swa_full)
         p.kv_unified = bool(self.kv_unified)
         p.no_perf = True
+        if self.device_readout:
+            # a sequence with a backend sampler may have at most this many output rows a decode
+            # (llama.cpp's default is 1): a verify block, a draft block, the cost curve's 32 rows
+            p.n_outputs_max_per_seq = BACKEND_SAMPLING_ROWS
         return p

@@ -112,6 +112,10 @@ class Proposer:
     def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
         return EMPTY
 
+    def llama_ms(self) -> float:
+        """Milliseconds spent so far inside llama.cpp's decodes on the proposer's own contexts."""
+        return 0.0
+
     def catch_up_ms(self) -> float:
         """Milliseconds spent so far folding in rows kept by :meth:`observe_later` (a running
         total): the first pass after plain cycles pays them, and they are not what a pass costs."""
@@ -203,6 +207,9 @@ class DraftModelProposer(Proposer):
     def catch_up_ms(self) -> float:
         return self._catch_up_ms
 
+    def llama_ms(self) -> float:
+        return self.draft.llama_ms
+
     def deferred_rows(self, seq_id: int = 0) -> int:
         dq = self._deferred.get(seq_id)
         return 0 if dq is None else dq.n
@@ -230,6 +237,7 @@ class DraftModelProposer(Proposer):
         R, nb = len(requests), n_draft + self.offset
         for r in requests:
             self.catch_up(r.seq_id)
+            d.samplers.want(r.seq_id, r.sampler is None)   # greedy rows read out on the device
         bs = self._sampler() if any(r.sampler is not None for r in requests) else None
         block = np.full(R * nb, m.mask_token_id, dtype=np.int32)
         block[::nb] = [r.anchor for r in requests]
@@ -329,6 +337,19 @@ def propose_all(prop, requests: Sequence[BlockRequest]) -> List[Proposal]:
                                                                   _defined_in(cls, "propose_sampled")) if o):
         return batch.propose_batch(prop, requests)
     return [propose_one(prop, r) for r in requests]
+
+
+def hidden_ms_of(prop) -> float:
+    """``prop.hidden_ms()`` (milliseconds of a proposer's own work that is not a drafter's, such as
+    the oracle computing its truth: kept out of every timing) for any proposer (0 without it)."""
+    fn = getattr(prop, "hidden_ms", None)
+    return float(fn()) if fn is not None else 0.0
+
+
+def llama_ms_of(prop) -> float:
+    """``prop.llama_ms()`` for any proposer (0 for None or a duck-typed one without it)."""
+    fn = getattr(prop, "llama_ms", None)
+    return float(fn()) if fn is not None else 0.0
 
 
 def observe_later(prop, row0: int, n: int, pos0: int, seq_id: int = 0) -> None:

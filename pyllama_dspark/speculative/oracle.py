@@ -29,6 +29,7 @@ not be the distribution of a real drafter.
 
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -246,18 +247,44 @@ class OracleDraft(Proposer):
     probability ``p`` (see the module's definition of the planted error), proposed after a real
     draft pass of ``inner`` (a :class:`~.drafter.DraftModelProposer` matched to the target) whose
     tokens are discarded; no confidences.  Greedy only.  :meth:`prepare` the prompts first (their
-    reference continuations are decoded then, outside any timing)."""
+    reference continuations are decoded then, outside any timing).
+
+    **Re-anchoring.**  The greedy continuation is the one the verifier computes from the *current*
+    prefix.  Where a committed token leaves the prepared reference (a numerical near-tie between
+    batch shapes: on a GPU, llama.cpp picks kernels by batch size, so a token verified in a block
+    can differ from the same token decoded alone), the oracle follows the new prefix:
+
+    - ``mode="reference"`` (the default on a CPU): the prepared reference; after a divergence, the
+      continuation of the new prefix is decoded one token at a time on the sequence itself (then
+      removed again), as the reference was;
+    - ``mode="shadow"`` (the default when the target is offloaded to a GPU): every block is what
+      the verify will compute: a decode of [anchor, guesses] on the sequence itself, in the verify's
+      shape, its argmax taken as the next guesses until they agree (one decode when the guesses
+      were right), then removed, so the verify decodes the same rows on the same memory.
+
+    Their time is the oracle's, not a drafter's: it is kept in :meth:`hidden_ms` (and out of
+    :meth:`llama_ms`), which the loop takes out of the draft pass and the generation's time.
+    ``n_reanchored`` counts the blocks whose prepared reference was wrong."""
 
     name = "oracle"
     has_confidence = False
+    MODES = ("auto", "reference", "shadow")
 
-    def __init__(self, target, inner, p: float, *, seed: int = 0):
+    def __init__(self, target, inner, p: float, *, seed: int = 0, mode: str = "auto"):
+        if mode not in self.MODES:
+            raise ValueError(f"oracle mode must be one of {self.MODES}, got {mode!r}")
         self.target = target
         self.inner = inner
         self.p = float(p)
         self.memory_tag = f"oracle:{self.p:g}"
         self.offset = getattr(inner, "offset", 0)
         self.set = OracleSet(n_vocab=target.n_vocab, p_error=1.0 - self.p, seed=seed, block_size=inner.max_draft())
+        offloaded = bool(getattr(getattr(target, "settings", None), "offloaded", False))
+        self.mode = ("shadow" if offloaded else "reference") if mode == "auto" else mode
+        self.n_reanchored = 0
+        self.n_shadow_decodes = 0
+        self._hidden_ms = 0.0
+        self._hidden_llama_ms = 0.0
 
     def prepare(self, prompts: Sequence[Sequence[int]], n: int) -> None:
         """Decode the reference continuation (``n`` tokens) of every prompt not known yet."""
@@ -286,15 +313,110 @@ class OracleDraft(Proposer):
     def catch_up_ms(self) -> float:
         return self.inner.catch_up_ms()
 
+    def llama_ms(self) -> float:
+        # the inner draft's decodes, less the target decodes made for the oracle's own truth
+        return self.inner.llama_ms() - self._hidden_llama_ms
+
+    def hidden_ms(self) -> float:
+        """Milliseconds spent so far computing the oracle's truth (a running total)."""
+        return self._hidden_ms
+
     def propose_batch(self, requests: Sequence[BlockRequest]) -> List[Proposal]:
         if any(r.sampler is not None for r in requests):
             raise ValueError("the oracle proposer is greedy only (temperature 0)")
         propose_all(self.inner, requests)   # the real draft pass; its tokens are discarded
+        t0, l0 = time.perf_counter(), self.target.llama_ms
+        live = [r for r in requests if r.n_draft > 0]
+        if live:
+            self._shadow(live) if self.mode == "shadow" else [self._follow(r) for r in live]
+        self._hidden_llama_ms += self.target.llama_ms - l0
+        self._hidden_ms += (time.perf_counter() - t0) * 1e3
         out = []
         for r in requests:
             p = self.set.propose(r.anchor, r.pos0, r.n_draft, r.seq_id)
             out.append(Proposal(p.tokens) if len(p.tokens) else EMPTY)
         return out
+
+    # ---- the truth: the greedy continuation of the current prefix --------------------------------
+    def _set_truth(self, o: "OracleProposer", pos0: int, anchor: int, truth) -> None:
+        """The reference of ``o`` from ``pos0`` on is ``anchor`` then ``truth``; counts a wrong one."""
+        need = pos0 + 1 + len(truth)
+        ref = o.ref
+        known = ref[pos0:need]
+        if len(known) < need - pos0 or known[0] != anchor or np.any(known[1:] != truth):
+            if len(known) and (known[0] != anchor or np.any(known[1:len(known)] != truth[:len(known) - 1])):
+                self.n_reanchored += 1
+            if ref.size < need:
+                ref = np.concatenate([ref, np.zeros(need - ref.size, dtype=np.int32)])
+            ref[pos0] = anchor
+            ref[pos0 + 1:need] = truth
+            o.ref = ref
+
+    def _follow(self, r: BlockRequest) -> None:
+        """Reference mode: after a divergence, the continuation of the new prefix, one token a
+        decode on the sequence itself (removed again), as far as the prepared reference reached."""
+        o = self.set._by_seq[r.seq_id]
+        if r.pos0 < o.ref.size and o.ref[r.pos0] == r.anchor:
+            return
+        tgt = self.target
+        n = max(int(o.ref.size) - r.pos0 - 1, self.set.block_size)
+        n = min(n, tgt.n_ctx - r.pos0 - 1)
+        ids, margin = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.float32)
+        out, tok = [], r.anchor
+        try:
+            for i in range(n):
+                tgt.decode(np.asarray([tok], dtype=np.int32), r.pos0 + i, r.seq_id)
+                tgt.argmax(0, 1, ids, margin)
+                tok = int(ids[0])
+                out.append(tok)
+        finally:
+            tgt.seq_rm(r.seq_id, r.pos0, -1)
+        self.n_reanchored += 1
+        o.ref = np.concatenate([o.ref[:r.pos0], np.asarray([r.anchor] + out, dtype=np.int32)])
+
+    def _shadow(self, requests: Sequence[BlockRequest]) -> None:
+        """Shadow mode: each request's block as the verify computes it (see the class docstring)."""
+        tgt = self.target
+        guesses = []
+        for r in requests:
+            o = self.set._by_seq[r.seq_id]
+            n = min(r.n_draft, self.set.block_size)
+            g = np.zeros(n, dtype=np.int32)
+            if r.pos0 < o.ref.size and o.ref[r.pos0] == r.anchor:
+                avail = o.ref[r.pos0 + 1:r.pos0 + 1 + n]
+                g[:avail.size] = avail
+            guesses.append(g)
+        rows = sum(1 + g.size for g in guesses)
+        tok, pos, seqs = (np.zeros(rows, dtype=np.int32) for _ in range(3))
+        outs = np.ones(rows, dtype=np.int8)
+        ids, margin = np.zeros(rows, dtype=np.int32), np.zeros(rows, dtype=np.float32)
+        for _ in range(1 + max(g.size for g in guesses)):
+            at = 0
+            for r, g in zip(requests, guesses):
+                k = 1 + g.size
+                tok[at], tok[at + 1:at + k] = r.anchor, g
+                pos[at:at + k] = np.arange(r.pos0, r.pos0 + k, dtype=np.int32)
+                seqs[at:at + k] = r.seq_id
+                at += k
+            try:
+                tgt.decode_rows(tok, pos, seqs, outs)
+                self.n_shadow_decodes += 1
+                tgt.argmax(0, rows, ids, margin)
+            finally:
+                for r in requests:
+                    tgt.seq_rm(r.seq_id, r.pos0, -1)
+            done, at = True, 0
+            for g in guesses:
+                y = ids[at:at + g.size]
+                wrong = np.flatnonzero(y != g)
+                if wrong.size:
+                    done = False
+                    g[wrong[0]:] = y[wrong[0]:]
+                at += 1 + g.size
+            if done:
+                break
+        for r, g in zip(requests, guesses):
+            self._set_truth(self.set._by_seq[r.seq_id], r.pos0, r.anchor, g)
 
     def propose(self, anchor: int, pos0: int, n_draft: int, seq_id: int = 0) -> Proposal:
         return self.propose_batch([BlockRequest(anchor, pos0, n_draft, seq_id)])[0]
