@@ -100,6 +100,10 @@ def test_every_command_takes_ngl_auto_by_default(cmd):
     assert opts["n_gpu_layers"].default == "auto"
     assert "-ngl" in opts["n_gpu_layers"].opts
     assert opts["n_gpu_layers"].type.convert("all", None, None) == "all"
+    # llama.cpp's -bs (on) beside --no-backend-sampling (off); neither: auto (on when offloaded)
+    bs = [p for p in command.params if p.name == "backend_sampling"]
+    assert {o for p in bs for o in p.opts} >= {"-bs", "--backend-sampling", "--no-backend-sampling"}
+    assert {p.flag_value for p in bs} == {"on", "off"} and all(p.default is None for p in bs)
 
 
 def test_llama_plugin_reads_llama_cpp_pythons_ngl():

@@ -103,12 +103,13 @@ def resolve_draft_arg(draft: Optional[str], target: str) -> Optional[str]:
 
 
 def offload_options(fn):
-    """llama-server's ``--rpc``, ``-ts/--tensor-split`` and ``-ngld``, handed to the command as one
-    ``offload`` dict of :class:`~pyllama_dspark.decode.api.Speculator` keyword arguments."""
+    """llama-server's ``--rpc``, ``-ts/--tensor-split``, ``-ngld`` and ``-bs/--backend-sampling``,
+    handed to the command as one ``offload`` dict of :class:`~pyllama_dspark.decode.api.Speculator`
+    keyword arguments."""
     import functools
 
     @functools.wraps(fn)
-    def wrapper(*args, rpc=None, tensor_split=None, n_gpu_layers_draft=None, **kw):
+    def wrapper(*args, rpc=None, tensor_split=None, n_gpu_layers_draft=None, backend_sampling=None, **kw):
         from pyllama_dspark.llama.rpc import RpcEndpointError, parse_endpoints
 
         try:
@@ -121,7 +122,8 @@ def offload_options(fn):
                 split = tuple(float(x) for x in tensor_split.replace("/", ",").split(","))
             except ValueError:
                 raise click.BadParameter(f"{tensor_split!r}: expected proportions like 3,1", param_hint="-ts")
-        kw["offload"] = dict(rpc=endpoints, tensor_split=split, n_gpu_layers_draft=n_gpu_layers_draft)
+        kw["offload"] = dict(rpc=endpoints, tensor_split=split, n_gpu_layers_draft=n_gpu_layers_draft,
+                             backend_sampling=backend_sampling or "auto")
         return fn(*args, **kw)
 
     opts = [
@@ -133,6 +135,11 @@ def offload_options(fn):
         click.option("-ngld", "--n-gpu-layers-draft", "n_gpu_layers_draft", type=NGL, default=None,
                      help="The draft's offloaded layers, as -ngl (default: as -ngl, resolved for the draft's own "
                           "file; 0 keeps the draft local)."),
+        click.option("-bs", "--backend-sampling", "backend_sampling", flag_value="on", default=None,
+                     help="Read greedy rows out on the device (llama.cpp's backend sampling: each row's top 2 "
+                          "comes back, no logits row). Default: on when layers are offloaded (-ngl), off on a CPU."),
+        click.option("--no-backend-sampling", "backend_sampling", flag_value="off",
+                     help="Copy every output row's logits to the host, also on a GPU."),
     ]
     for o in reversed(opts):
         wrapper = o(wrapper)

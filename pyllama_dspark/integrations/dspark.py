@@ -91,7 +91,7 @@ class DSpark(Owned):
                  flash_attn: str = "auto", n_gpu_layers: Union[int, str] = "auto", chat_format: Optional[str] = None,
                  chat_handler=None, last_n_tokens_size: int = 64, verbose: bool = False,
                  schedule="auto", cost_profile=None, cache_prompt: bool = False, rpc=None,
-                 tensor_split=(), n_gpu_layers_draft: Union[int, str, None] = None):
+                 tensor_split=(), n_gpu_layers_draft: Union[int, str, None] = None, backend_sampling: str = "auto"):
         """``schedule``: ``"auto"`` (default: verify drafts only where it pays on this machine's
         measured, cached cost curve), ``"off"`` (every draft verified, llama.cpp's fixed block) or
         a :class:`~.policy.VerifyPolicy`; ``cost_profile`` as for :class:`~.api.Speculator`.
@@ -99,12 +99,14 @@ class DSpark(Owned):
         part of the next prompt they lack, as ``Llama`` reuses its cached prefix: turn k of a chat
         decodes the new turn only.  Off by default: a prefix decoded in other batch shapes than a
         fresh prefill changes the logits' last bits, so greedy output can differ from a fresh
-        call's at a numerical near-tie.  ``rpc``, ``tensor_split``, ``n_gpu_layers_draft``: llama.cpp
-        RPC servers for the offloaded layers, as for :class:`~.api.Speculator`."""
+        call's at a numerical near-tie.  ``rpc``, ``tensor_split``, ``n_gpu_layers_draft``,
+        ``backend_sampling``: llama.cpp RPC servers for the offloaded layers and the device read-out,
+        as for :class:`~.api.Speculator`."""
         self._sp = Speculator(target_path, draft_path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                               n_threads=n_threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers,
                               n_max=n_max, verbose=verbose, schedule=schedule, cost_profile=cost_profile,
-                              rpc=rpc, tensor_split=tensor_split, n_gpu_layers_draft=n_gpu_layers_draft)
+                              rpc=rpc, tensor_split=tensor_split, n_gpu_layers_draft=n_gpu_layers_draft,
+                              backend_sampling=backend_sampling)
         self._setup(self._sp.target, self._sp.draft, self._sp.proposer, self._sp.n_max, str(target_path),
                     None, last_n_tokens_size, policy=self._sp.policy)
         self.cache_prompt = bool(cache_prompt)
