@@ -103,7 +103,13 @@ def test_every_command_takes_ngl_auto_by_default(cmd):
     # llama.cpp's -bs (on) beside --no-backend-sampling (off); neither: auto (on when offloaded)
     bs = [p for p in command.params if p.name == "backend_sampling"]
     assert {o for p in bs for o in p.opts} >= {"-bs", "--backend-sampling", "--no-backend-sampling"}
-    assert {p.flag_value for p in bs} == {"on", "off"} and all(p.default is None for p in bs)
+    assert {p.flag_value for p in bs} == {"on", "off"}
+    for argv, want in (([], None), (["-bs"], "on"), (["--no-backend-sampling"], "off")):
+        got = command.make_context(cmd, list(argv) + _REQUIRED.get(cmd, []), resilient_parsing=True).params
+        assert (got["backend_sampling"] or None) == want, (cmd, argv, got["backend_sampling"])
+
+
+_REQUIRED = {"calibrate": ["-o", "x.json"]}
 
 
 def test_llama_plugin_reads_llama_cpp_pythons_ngl():
