@@ -87,12 +87,14 @@ def draft_pass_ms(t, d, prompt, R: int, reps: int = 12, n: int = 7) -> float:
     return float(np.median(times))
 
 
-def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, margins=(), bands=(), variants=()):
-    draft = oracle_draft_for(path)
+def sweep_target(path, Ps, fixed, rs, n, n_prompts, threads, log, repeats=1, margins=(), bands=(), variants=(),
+                 n_gpu_layers="auto", draft_type=None):
+    draft = oracle_draft_for(path, draft_type)
     items = load_prompts((), limit_per_file=1)[:n_prompts]
     out = {"target": os.path.basename(path), "draft": os.path.basename(draft), "cells": []}
     for R in rs:
-        cs = ContextSettings(n_ctx=1024 * R, n_threads=threads, flash_attn="auto", n_seq_max=R)
+        cs = ContextSettings(n_ctx=1024 * R, n_threads=threads, flash_attn="auto", n_seq_max=R,
+                             n_gpu_layers=n_gpu_layers)
         t, d, _ = open_models(path, draft, cs)
         with t:
             prof = costprofile.auto_profile(t)
@@ -344,6 +346,10 @@ def main():
                     help="also run auto with these policy fields set, e.g. probe_plan=0 (A/B; comma-separated or "
                          "the flag repeated: each field=value one more column)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("-ngl", "--n-gpu-layers", dest="ngl", default="auto",
+                    help="layers on the GPU, as llama.cpp's -ngl (a number, auto or all; default auto)")
+    ap.add_argument("--draft-type", default=None,
+                    help="weight type of the random draft whose pass the oracle pays (default: as -md oracle:P)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     ap.add_argument("--from-json", default=None, help="print and plot saved runs (comma-separated --json files)")
@@ -374,7 +380,7 @@ def main():
         bands = [float(x) for x in a.auto_bands.split(",") if x]
         variants = [(kv.split("=")[0], float(kv.split("=")[1])) for kv in ",".join(a.auto_set).split(",") if kv]
         res = sweep_target(path, Ps, fixed, rs, a.n, a.prompts, a.threads, log, repeats=a.repeats, margins=margins,
-                           bands=bands, variants=variants)
+                           bands=bands, variants=variants, n_gpu_layers=a.ngl, draft_type=a.draft_type)
         print_table(res, log)
         log(f"({time.time() - t0:.0f} s)")
         results.append(res)
