@@ -32,6 +32,7 @@ from pyllama_dspark.tools.llama_server import LlamaServer
 from pyllama_dspark.tools.llama_server_build import ensure_llama_server
 from pyllama_dspark.speculative.policy import VerifyPolicy
 from pyllama_dspark.prompts import load_prompts
+from pyllama_dspark.gguf.draft_types import DEFAULT_DRAFT_TYPE
 from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 
 pytestmark = pytest.mark.slow
@@ -177,4 +178,36 @@ def test_bonus_anchor_dspark_through_convert_matches_llama_server(target_path, b
         assert sp.proposer.offset == 1   # the bonus slot: drafts read from rows 1..
         for name, prompt, ref in prompts[:3]:
             assert list(sp.generate(prompt, N_SHORT).tokens) == list(ref[:N_SHORT]), name
+    assert sum(r["ours"][0] for r in rows) > 0
+
+
+# ---- the test drafts as `-md random` / `make-test-draft` write them: BF16, and the other types ----
+
+@pytest.fixture(scope="module")
+def typed_drafts(target_path, prompts, tmp_path_factory):
+    """The random DSpark draft of each type (the default, BF16, as ``-md random`` writes it), and a
+    BF16 twin of ``bigram_draft`` (same seed and rank, the same bigrams planted in BF16)."""
+    d = tmp_path_factory.mktemp("typed")
+    out = {wt: make_test_draft(target_path, d / f"random-{wt}.gguf", kind="dspark", weight_type=wt)
+           for wt in (DEFAULT_DRAFT_TYPE, "q8_0", "q4_0")}
+    out["bigram"] = make_test_draft(target_path, d / "bigram-bf16.gguf", kind="dspark", markov_rank=256, seed=3,
+                                    weight_type=DEFAULT_DRAFT_TYPE)
+    assert plant_markov_bigrams(out["bigram"], [list(p) + list(r) for _, p, r in prompts], drop_every=4) > 20
+    return out
+
+
+def test_default_type_random_draft_matches_llama_server(target_path, typed_drafts, prompts, server_binary):
+    """``-md random``'s draft (BF16): the all-rejections path on two prompts, and the planted
+    bigrams (partial acceptances) on three."""
+    assert DEFAULT_DRAFT_TYPE == "bf16"
+    rows = _compare(target_path, typed_drafts["bf16"], prompts[:2], server_binary, min_accepted=0, n_predict=32)
+    assert sum(r["ours"][0] for r in rows) > 0
+    rows = _compare(target_path, typed_drafts["bigram"], prompts[:3], server_binary, min_accepted=10,
+                    n_predict=N_SHORT)
+    assert any(0 < r["ours"][1] < r["ours"][0] for r in rows)
+
+
+@pytest.mark.parametrize("wt", ["q8_0", "q4_0"])
+def test_quantized_random_drafts_match_llama_server(target_path, typed_drafts, prompts, server_binary, wt):
+    rows = _compare(target_path, typed_drafts[wt], prompts[:1], server_binary, min_accepted=0, n_predict=32)
     assert sum(r["ours"][0] for r in rows) > 0
