@@ -1,6 +1,7 @@
 """Python loop vs llama.cpp's own C++ driver (llama-server), interleaved per prompt.
 
-    python bench/loop_vs_llama_server.py [--limit 2] [--n-predict 128] [--threads 2] [--draft random|bigram|PATH]
+    python bench/loop_vs_llama_server.py [--limit 2] [--n-predict 128] [--threads 2] [-ngl auto]
+                                         [--draft random|random:TYPE|bigram|PATH]
 
 For each prompt (chat template applied) and each configuration, in a rotating order so machine
 noise hits every configuration alike: llama-server without a draft, llama-server with the draft,
@@ -16,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.paths import default_target, random_draft_for
+from pyllama_dspark.paths import default_target, resolve_random_draft
 from pyllama_dspark.tools.llama_server import LlamaServer
 from pyllama_dspark.tools.llama_server_build import ensure_llama_server
 from pyllama_dspark.prompts import load_prompts
@@ -31,15 +32,19 @@ def main():
     ap.add_argument("--n-predict", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("-ngl", "--n-gpu-layers", dest="ngl", default="auto",
+                    help="layers on the GPU, both sides (llama.cpp's -ngl: a number, auto or all)")
     a = ap.parse_args()
+    place = dict(n_gpu_layers=a.ngl)
+    ngl_args = [] if a.ngl == "auto" else ["-ngl", str(a.ngl), "-ngld", str(a.ngl)]
 
     target = a.model or default_target()
     items = load_prompts(limit_per_file=a.limit)
-    with Speculator(target, n_threads=a.threads) as sp:
+    with Speculator(target, n_threads=a.threads, **place) as sp:
         prompts = [sp.chat_prompt([{"role": "user", "content": it.turns[0]}]).tokens for it in items]
         refs = [sp.generate(p, a.n_predict).tokens for p in prompts] if a.draft == "bigram" else None
-    if a.draft == "random":
-        draft = random_draft_for(target)
+    if a.draft.startswith("random"):
+        draft = resolve_random_draft(a.draft, target)
     elif a.draft == "bigram":
         draft = str(Path(tempfile.mkdtemp()) / "bigram.gguf")
         make_test_draft(target, draft, kind="dspark", markov_rank=256, seed=3)
@@ -48,13 +53,13 @@ def main():
         draft = a.draft
 
     binary = ensure_llama_server()
-    common = dict(ctx=4096, threads=a.threads, n_batch=512, n_ubatch=512, flash_attn="auto")
+    common = dict(ctx=4096, threads=a.threads, n_batch=512, n_ubatch=512, flash_attn="auto", extra_args=ngl_args)
     res = {k: [] for k in ("cpp_base", "cpp_spec", "py_base", "py_spec")}
     phases = {"draft": [], "verify": [], "inject": [], "overhead": []}
     with LlamaServer(binary, target, None, **common) as s_base, \
             LlamaServer(binary, target, draft, spec_type="draft-dspark", n_max=7, **common) as s_spec, \
-            Speculator(target, None, n_threads=a.threads) as p_base, \
-            Speculator(target, draft, n_threads=a.threads, n_max=7, schedule="off") as p_spec:   # llama-server's fixed block
+            Speculator(target, None, n_threads=a.threads, **place) as p_base, \
+            Speculator(target, draft, n_threads=a.threads, n_max=7, schedule="off", **place) as p_spec:   # llama-server's fixed block
         runs = {
             "cpp_base": lambda p: s_base.complete(p, a.n_predict)["timings"]["predicted_per_second"],
             "cpp_spec": lambda p: s_spec.complete(p, a.n_predict)["timings"]["predicted_per_second"],
