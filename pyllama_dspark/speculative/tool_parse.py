@@ -42,7 +42,8 @@ def new_call_id(fmt: Optional[ToolFormat]) -> str:
 class ToolCall:
     name: str
     arguments: str            # the JSON text as written (partial while streaming)
-    id: str = ""
+    id: str = ""              # the model's own (Mistral), else drawn by ReplyDiffer
+    complete: bool = True     # the call's JSON object is closed
 
 
 @dataclass
@@ -109,6 +110,8 @@ def _scan_object(s: str, i: int) -> Tuple[Dict[str, Tuple[int, Optional[int]]], 
         if s[i] != ",":
             raise ValueError("expected ',' or '}'")
         i = _skip_ws(s, i + 1)
+        if i < len(s) and s[i] == "}":     # a trailing comma: llama-server's Mistral grammar makes the
+            return spans, vals, i + 1      # comma before its optional "id" compulsory
 
 
 def _call_from(s: str, i: int, fmt: ToolFormat, names: Optional[set], partial: bool):
@@ -132,12 +135,13 @@ def _call_from(s: str, i: int, fmt: ToolFormat, names: Optional[set], partial: b
     if span is None:
         if done:
             raise ValueError(f"a tool call without {fmt.args_key!r}")
-        return ToolCall(name, ""), end, False
+        return ToolCall(name, "", complete=False), end, False
     a0, a1 = span
     args = s[a0:a1] if a1 is not None else s[a0:].rstrip(_WS)
     if a1 is not None and not isinstance(vals.get(fmt.args_key), dict):
         raise ValueError("tool call arguments are not a JSON object")
-    return ToolCall(name, args), end, done
+    cid = vals.get(fmt.id_key) if fmt.id_key else None
+    return ToolCall(name, args, cid if isinstance(cid, str) else "", done), end, done
 
 
 def _split_reasoning(text: str, fmt: ToolFormat, partial: bool = False) -> Tuple[str, str]:
@@ -263,7 +267,8 @@ def _calls(s: str, k: int, fmt: ToolFormat, names, partial: bool) -> List[ToolCa
 class ReplyDiffer:
     """Successive parses of a streaming reply -> OpenAI ``delta`` dicts (llama-server's
     ``compute_diffs``: reasoning, then content, then the last known call's new argument text, then
-    new calls with their id and name).  Ids are drawn once per call index."""
+    new calls with their id and name).  A call's id is the model's own where the format has one
+    (Mistral: such a call is sent once its object is closed, id and all), else drawn once per index."""
 
     def __init__(self, fmt: ToolFormat, names: Optional[Iterable[str]] = None, lstrip: bool = True):
         self.fmt = fmt
@@ -272,13 +277,17 @@ class ReplyDiffer:
         self.prev = Reply()
         self.ids: List[str] = []
 
-    def _id(self, i: int) -> str:
+    def _id(self, i: int, own: str) -> str:
         while len(self.ids) <= i:
-            self.ids.append(new_call_id(self.fmt))
+            self.ids.append("")
+        if not self.ids[i]:
+            self.ids[i] = own or new_call_id(self.fmt)
         return self.ids[i]
 
     def update(self, text: str, final: bool = False) -> Tuple[Reply, List[dict]]:
         new = parse_reply(text, self.fmt, self.names, partial=not final, lstrip=self.lstrip)
+        if self.fmt.id_key and not final and new.calls and not new.calls[-1].complete:
+            new.calls = new.calls[:-1]     # its id may still come
         deltas: List[dict] = []
         prev = self.prev
         for key, a, b in (("reasoning_content", prev.reasoning, new.reasoning), ("content", prev.content, new.content)):
@@ -296,9 +305,9 @@ class ReplyDiffer:
             fn = {"name": c.name}
             if c.arguments:
                 fn["arguments"] = c.arguments
-            deltas.append({"tool_calls": [{"index": j, "id": self._id(j), "type": "function", "function": fn}]})
+            deltas.append({"tool_calls": [{"index": j, "id": self._id(j, c.id), "type": "function", "function": fn}]})
         for j, c in enumerate(new.calls):
-            c.id = self._id(j)
+            c.id = self._id(j, c.id)
         self.prev = new
         return new, deltas
 
