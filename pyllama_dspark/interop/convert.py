@@ -258,7 +258,86 @@ def _d2t_absolute(d2t: np.ndarray, cfg) -> np.ndarray:
     return ids
 
 
-def _metadata(cfg, tinfo, treader, stored_layers, has_conf: bool, name: str, general: Dict[str, Any],
+#: the config fields llama.cpp's converter (TextModel.set_gguf_parameters) writes the standard keys from
+_EXPERT_FIELDS = (("expert_count", ("num_local_experts", "num_experts", "n_routed_experts")),
+                  ("expert_used_count", ("num_experts_per_tok", "num_experts_per_token", "top_k_experts")),
+                  ("expert_group_count", ("n_group",)), ("expert_group_used_count", ("topk_group",)))
+_GATING_FIELDS = ("score_function", "scoring_func", "score_func", "moe_router_activation",
+                  "moe_router_activation_func", "expert_selection_fn")
+_GATING = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 3}
+_LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
+
+
+def _first(hp: Dict[str, Any], names):
+    return next((hp[n] for n in names if hp.get(n) is not None), None)
+
+
+def _standard_metadata(cfg) -> "OrderedDict[str, Tuple[Any, Any, Any]]":
+    """RoPE scaling, the sliding-window RoPE base, the layer-norm epsilon and the expert counts, as
+    llama.cpp's converter writes them from the config (TextModel.set_gguf_parameters)."""
+    import gguf
+
+    vt, a, hp = gguf.GGUFValueType, DRAFT_ARCH, cfg["hp"]
+    out: "OrderedDict[str, Tuple[Any, Any, Any]]" = OrderedDict()
+    rp = cfg["rope_params"]
+    rp = rp.get("full_attention", rp)
+    kind, factor = rp.get("rope_type", rp.get("type")), rp.get("factor")
+    if kind in ("linear", "yarn") and factor is not None:
+        out[f"{a}.rope.scaling.type"] = (kind, vt.STRING, None)
+        out[f"{a}.rope.scaling.factor"] = (float(factor), vt.FLOAT32, None)
+        if kind == "yarn":
+            orig = rp.get("original_max_position_embeddings", hp.get("original_max_position_embeddings"))
+            if orig is None:
+                raise CheckpointError("config.json: yarn rope scaling without original_max_position_embeddings")
+            out[f"{a}.rope.scaling.original_context_length"] = (int(orig), vt.UINT32, None)
+            for gkey, names in (("yarn_ext_factor", ("extrapolation_factor",)),
+                                ("yarn_attn_factor", ("attention_factor", "attn_factor")),
+                                ("yarn_beta_fast", ("beta_fast",)), ("yarn_beta_slow", ("beta_slow",))):
+                if (v := _first(rp, names)) is not None:
+                    out[f"{a}.rope.scaling.{gkey}"] = (float(v), vt.FLOAT32, None)
+    elif kind == "longrope":
+        out[f"{a}.rope.scaling.type"] = (kind, vt.STRING, None)
+    rp = cfg["rope_params"]      # a config-wide local base counts only where rope_parameters is not per layer type
+    per_type = "full_attention" in rp or "sliding_attention" in rp
+    swa = rp.get("sliding_attention", {}).get("rope_theta") if per_type else _first(hp, _LOCAL_THETA)
+    if swa is not None:
+        out[f"{a}.rope.freq_base_swa"] = (float(swa), vt.FLOAT32, None)
+    if (eps := _first(hp, ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"))) is not None:
+        out[f"{a}.attention.layer_norm_epsilon"] = (float(eps), vt.FLOAT32, None)
+    for gkey, names in _EXPERT_FIELDS:
+        if (v := _first(hp, names)) is not None:
+            out[f"{a}.{gkey}"] = (int(v), vt.UINT32, None)
+    if (fn := _first(hp, _GATING_FIELDS)) is not None:
+        if fn not in _GATING:
+            raise CheckpointError(f"config.json: unsupported expert gating function {fn!r}")
+        out[f"{a}.expert_gating_func"] = (_GATING[fn], vt.UINT32, None)
+    return out
+
+
+def _kept_keys(prov: Dict[str, Any]) -> "OrderedDict[str, Tuple[Any, Any, Any]]":
+    """The draft keys ``export`` kept in config.json's ``pyllama_dspark.gguf_keys`` (no config field
+    holds them), with their GGUF types."""
+    import gguf
+
+    out: "OrderedDict[str, Tuple[Any, Any, Any]]" = OrderedDict()
+    kept = prov.get("gguf_keys") or {}
+    if not isinstance(kept, dict):
+        raise CheckpointError("config.json: pyllama_dspark.gguf_keys must be an object {key: [value, type, item type]}")
+    for key, entry in kept.items():
+        try:
+            value, vtype, sub = entry
+            vtype = gguf.GGUFValueType[vtype]
+            sub = None if sub is None else gguf.GGUFValueType[sub]
+        except (TypeError, ValueError, KeyError):
+            raise CheckpointError(f"config.json: pyllama_dspark.gguf_keys[{key!r}] is not [value, GGUF type, item type]")
+        if not str(key).startswith(f"{DRAFT_ARCH}.") or (vtype == gguf.GGUFValueType.ARRAY) != (sub is not None):
+            raise CheckpointError(f"config.json: pyllama_dspark.gguf_keys[{key!r}] is not a {DRAFT_ARCH} key "
+                                  "with a GGUF type")
+        out[str(key)] = (value, vtype, sub)
+    return out
+
+
+def _metadata(cfg, tinfo, treader, stored_layers, has_conf: bool, name: str, prov: Dict[str, Any],
               file_type: int):
     import gguf
 
@@ -266,6 +345,7 @@ def _metadata(cfg, tinfo, treader, stored_layers, has_conf: bool, name: str, gen
     u32 = lambda v: (int(v), vt.UINT32, None)      # noqa: E731
     f32 = lambda v: (float(v), vt.FLOAT32, None)   # noqa: E731
     meta: "OrderedDict[str, Tuple[Any, Any, Any]]" = OrderedDict()
+    general = dict(prov.get("general") or {})
     if general:                         # an exported draft: its general.* keys as they were
         for key, value in general.items():
             meta[key] = infer_type(key, value)
@@ -284,6 +364,7 @@ def _metadata(cfg, tinfo, treader, stored_layers, has_conf: bool, name: str, gen
     meta[f"{a}.attention.value_length"] = u32(cfg["head_dim"])
     meta[f"{a}.attention.layer_norm_rms_epsilon"] = f32(cfg["rms_eps"])
     meta[f"{a}.rope.freq_base"] = f32(cfg["rope_theta"])
+    meta.update(_standard_metadata(cfg))
     prf = cfg["rope_params"].get("partial_rotary_factor", hp.get("partial_rotary_factor"))
     if prf is not None:
         meta[f"{a}.rope.dimension_count"] = u32(int(cfg["head_dim"] * float(prf)))
@@ -313,6 +394,7 @@ def _metadata(cfg, tinfo, treader, stored_layers, has_conf: bool, name: str, gen
     if cfg["kind"] == "dspark":
         meta[f"{a}.sample_from_anchor"] = (bool(cfg["sample_from_anchor"]), vt.BOOL, None)
         meta[f"{a}.has_confidence_head"] = (has_conf, vt.BOOL, None)
+    meta.update(_kept_keys(prov))
     for key in treader.fields:
         if key.startswith("tokenizer."):
             meta[key] = raw_field(treader, key)
@@ -357,8 +439,8 @@ def convert_checkpoint(checkpoint_dir, target_path, out_path, outtype: str = "au
     name = prov.get("general_name") or ck.config.get("_name_or_path") or os.path.basename(
         os.path.abspath(ck.path))
     types = OrderedDict((n, _gguf_type(n, arr, dt, outtype, recorded)) for n, (arr, dt) in tensors.items())
-    meta = _metadata(cfg, tinfo, treader, stored_layers, "conf_proj.weight" in tensors, str(name),
-                     dict(prov.get("general") or {}), _file_type(outtype, tensors))
+    meta = _metadata(cfg, tinfo, treader, stored_layers, "conf_proj.weight" in tensors, str(name), prov,
+                     _file_type(outtype, tensors))
     with open(os.path.join(ck.path, "config.json"), encoding="utf-8") as fh:
         meta[SOURCE_CONFIG_KEY] = infer_type(SOURCE_CONFIG_KEY, fh.read())
     meta[SOURCE_OUTTYPE_KEY] = infer_type(SOURCE_OUTTYPE_KEY, outtype)
