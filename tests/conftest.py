@@ -51,8 +51,8 @@ os.environ.setdefault("PYLLAMA_DSPARK_SCHEDULE_MEMORY", "0")
 # ones to even out the end (a long file collected last would leave one worker running it alone)
 LONGEST_FIRST = ("test_lossless.py", "test_parity_cpp.py", "test_sampling_blocks.py", "test_sampling_e2e.py",
                  "test_integration_dspark.py", "test_serve.py", "test_integration_plugin.py", "test_batch.py",
-                 "test_rpc.py", "test_cli_schedules.py", "test_interop.py", "test_targets_arch.py",
-                 "test_costprofile.py", "test_readme.py",
+                 "test_rpc.py", "test_cli_schedules.py", "test_interop.py", "test_interop_keys.py",
+                 "test_targets_arch.py", "test_costprofile.py", "test_readme.py", "test_grammar_cut_law.py",
                  "test_structured.py", "test_replicas_haproxy.py", "test_prompt_cache.py", "test_train.py",
                  "test_bad_input.py", "test_cli.py", "test_bench.py", "test_crosscheck.py", "test_reference.py",
                  "test_drafts.py", "test_sampling_engine.py", "test_interop_outtypes.py", "test_auto_schedule.py",
