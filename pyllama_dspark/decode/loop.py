@@ -38,7 +38,7 @@ from pyllama_dspark.decode.cycle import Chunk, Done, OneHotRows, PieceCache, Sta
 from pyllama_dspark.decode.prefill import prefill
 from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache
 from pyllama_dspark.decode.request import Request, grammar_cut, make_request, token_probs
-from pyllama_dspark.llama.handles import Draft, Target
+from pyllama_dspark.llama.handles import Draft, RowBuffers, Target
 from pyllama_dspark.speculative.drafter import (BlockRequest, DraftModelProposer, NoDraft, Proposer, check_n_max,
                                                 hidden_ms_of, llama_ms_of, observe_later, propose_all)
 from pyllama_dspark.speculative.policy import VerifyPolicy
@@ -97,12 +97,8 @@ class Decoder:
         self.policy = policy
         self._fixed = VerifyPolicy()   # policy None: verify every drafted token
         cap = target.n_batch
-        self._ids = np.zeros(cap, dtype=np.int32)
-        self._margin = np.zeros(cap, dtype=np.float32)
-        self._rows_tok = np.zeros(cap, dtype=np.int32)
-        self._rows_pos = np.zeros(cap, dtype=np.int32)
-        self._rows_seq = np.zeros(cap, dtype=np.int32)
-        self._ones = np.ones(cap, dtype=np.int8)
+        self._rows = RowBuffers(cap)   # the verify decode's rows and read-out
+        self._ids, self._margin = self._rows.ids, self._rows.margin
         self._arange = np.arange(cap, dtype=np.int32)
         self.steps = 0
         self.verify_batches: List[int] = []
@@ -337,7 +333,7 @@ class Decoder:
             # after the cut: at T > 0 the pass's time depends on the drafted tokens themselves
             pol.observe_draft(n_in_pass, (t1 - t0) * 1e3, n_block, caught_ms=caught)
         # 3. one target decode with every request's verify rows
-        tok, pos, seqs = self._rows_tok, self._rows_pos, self._rows_seq
+        tok, pos, seqs = self._rows.tok, self._rows.pos, self._rows.seq
         offs = []
         n = 0
         want_device = tgt.samplers.want
@@ -350,9 +346,9 @@ class Decoder:
             pos[n:n + 1 + k] = self._arange[:1 + k] + s.pos0
             seqs[n:n + 1 + k] = s.seq_id
             n += 1 + k
-        tgt.decode_rows(tok[:n], pos[:n], seqs[:n], self._ones[:n])
+        tgt.decode_buffers(self._rows, n)
         if any(s.smp is None for s in act):
-            tgt.argmax(0, n, self._ids, self._margin)
+            tgt.argmax_buffers(self._rows, 0, n)
         t2 = clock()
         self.verify_batches.append(n)
         # 4-6. accept, inject / roll back, emit

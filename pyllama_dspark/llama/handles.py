@@ -168,6 +168,11 @@ class _ModelCtx(Owned):
         self._alive()
         nat.check(nat.argmax_rows(self.ctx, i0, n, nat.ptr_i32(ids), nat.ptr_f32(margins)), "argmax")
 
+    def argmax_buffers(self, b: "RowBuffers", i0: int, n: int) -> None:
+        """:meth:`argmax` of output rows i0.. into ``b.ids`` / ``b.margin``."""
+        self._alive()
+        nat.check(nat.argmax_rows(self.ctx, i0, n, *b.p_out), "argmax")
+
     def logits(self, i: int) -> np.ndarray:
         """A copy of output row i of the last decode (float32 [n_vocab])."""
         self._alive()
@@ -184,6 +189,22 @@ class _ModelCtx(Owned):
         if not ptr:
             raise NativeError(f"row {i} of the last decode has no logits (not flagged as output)")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+
+class RowBuffers:
+    """A decode's rows (token, position, sequence, output flag) and its read-out (argmax, top-2
+    gap), ``cap`` of each, with their ctypes pointers made once (a pointer costs a few microseconds
+    to make, and the loop's verify decode uses them every cycle)."""
+
+    def __init__(self, cap: int):
+        self.tok = np.zeros(cap, dtype=np.int32)
+        self.pos = np.zeros(cap, dtype=np.int32)
+        self.seq = np.zeros(cap, dtype=np.int32)
+        self.out = np.ones(cap, dtype=np.int8)
+        self.ids = np.zeros(cap, dtype=np.int32)
+        self.margin = np.zeros(cap, dtype=np.float32)
+        self.p_rows = (nat.ptr_i32(self.tok), nat.ptr_i32(self.pos), nat.ptr_i32(self.seq), nat.ptr_i8(self.out))
+        self.p_out = (nat.ptr_i32(self.ids), nat.ptr_f32(self.margin))
 
 
 class Target(_ModelCtx):
@@ -311,6 +332,14 @@ class Target(_ModelCtx):
         n = len(tokens)
         rc = self._llama(nat.target_decode, self.handle, nat.ptr_i32(tokens), nat.ptr_i32(pos), nat.ptr_i32(seq_ids),
                          nat.ptr_i8(outputs), n)
+        self.n_decodes += 1
+        nat.check(rc, "target decode")
+
+    def decode_buffers(self, b: "RowBuffers", n: int) -> None:
+        """:meth:`decode_rows` of the first ``n`` rows of ``b`` (pointers made once: the loop's
+        verify rows, every cycle)."""
+        self._alive()
+        rc = self._llama(nat.target_decode, self.handle, *b.p_rows, n)
         self.n_decodes += 1
         nat.check(rc, "target decode")
 
