@@ -20,8 +20,10 @@ and is closed, before the context is freed, when the Llama closes.
 
 ``grammar`` (a ``LlamaGrammar``), ``response_format`` (llama-cpp-python's chat handlers turn it into
 a grammar) and ``logit_bias`` work as in ``Llama``, under speculation (llama.cpp's grammar engine,
-:mod:`~pyllama_dspark.speculative.grammar`).  Not supported (a clear ValueError): logprobs, forced tool
-choice, logits_processor, stopping_criteria, suffix, mirostat, typical_p != 1.  Repeat / presence /
+:mod:`~pyllama_dspark.speculative.grammar`).  ``tools`` / ``tool_choice`` give ``serve``'s tool calls
+(:mod:`.dspark_tools`: the same prompt, grammar and parse) unless a ``chat_handler`` / ``chat_format``
+was chosen.  Not supported (a clear ValueError): logprobs, logits_processor, stopping_criteria,
+suffix, mirostat, typical_p != 1.  Repeat / presence /
 frequency penalties work as in ``Llama`` (over the generated tokens, before the greedy pick at
 temperature 0).
 """
@@ -33,6 +35,7 @@ from typing import Iterator, List, Optional, Union
 from llama_cpp import llama_chat_format as lcf
 
 from pyllama_dspark.integrations import openai_dicts as oai
+from pyllama_dspark.integrations.dspark_tools import legacy_tools, tool_chat, tool_plan, wants_tools
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.speculative import policy_memory
 from pyllama_dspark.speculative.policy_factory import make_policy
@@ -112,6 +115,8 @@ class DSpark(Owned):
         self.cache_prompt = bool(cache_prompt)
         self.warnings = list(self._sp.warnings)
         self._handler = chat_handler or self._handler_from_gguf(chat_format)
+        # tools through our own path (serve's) unless a chat handler / format was chosen
+        self._own_tools = chat_handler is None and (chat_format is None or chat_format.startswith("chat_template."))
 
     @classmethod
     def from_llama(cls, llm, draft_path: Optional[str] = None, *, n_max: int = 7, schedule="auto",
@@ -147,6 +152,9 @@ class DSpark(Owned):
         self.warnings = found
         self._handler = (llm.chat_handler or llm._chat_handlers.get(llm.chat_format)
                          or lcf.get_chat_completion_handler(llm.chat_format))
+        fmt = llm.chat_format
+        self._own_tools = llm.chat_handler is None and (fmt is None or fmt.startswith("chat_template.")
+                                                        or fmt in ("chatml", "llama-3", "mistral-instruct"))
         close_with_context(self, ctx)
         return self
 
@@ -212,13 +220,33 @@ class DSpark(Owned):
                                repeat_penalty: float = 1.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
                                mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: Optional[str] = None,
                                logits_processor=None, grammar=None, logit_bias=None,
-                               logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None):
+                               logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
+                               parallel_tool_calls: Optional[bool] = None, chat_template_kwargs: Optional[dict] = None):
         """Like ``Llama.create_chat_completion`` (the prompt and the dict conversion are done by
-        llama-cpp-python's chat handler); ``timings`` is added to the response / the last chunk."""
+        llama-cpp-python's chat handler); ``timings`` is added to the response / the last chunk.
+        With ``tools`` (or tool turns in ``messages``) and the GGUF's own template: ``serve``'s tool
+        calls (:mod:`.dspark_tools`; ``parallel_tool_calls`` as in the OpenAI API,
+        ``chat_template_kwargs`` as llama-server's, e.g. ``{"enable_thinking": False}``)."""
         self._alive()
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         _unsupported(logprobs=bool(logprobs))
+        tools, tool_choice = legacy_tools(tools, tool_choice, functions, function_call)
+        if self._own_tools and wants_tools(messages, tools):
+            _unsupported(grammar=grammar is not None, response_format=response_format is not None,
+                         logits_processor=logits_processor is not None)
+            plan = tool_plan(self.target, list(messages), tools, tool_choice, parallel_tool_calls, chat_template_kwargs)
+
+            def run(tokens, g):
+                for ev in self._run(tokens, g, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                    min_p=min_p, typical_p=typical_p, stop=stop, frequency_penalty=frequency_penalty,
+                                    presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k,
+                                    seed=seed, mirostat_mode=mirostat_mode, logit_bias=logit_bias):
+                    if isinstance(ev, Done):
+                        self.last_stats = ev.stats
+                    yield ev
+            return tool_chat(self.target, plan, run, stream=stream, model=model if model is not None else self.model_path,
+                             n_completion=self._n_completion)
         stand_in = _LlamaStandIn(self)
         out = self._handler(
             llama=stand_in, messages=list(messages), functions=functions, function_call=function_call,
@@ -282,10 +310,29 @@ class DSpark(Owned):
         _unsupported(suffix=suffix is not None, logprobs=logprobs is not None,
                      logits_processor=logits_processor is not None)
         gbnf = _grammar_text(grammar)
-        bias = {int(k): float(v) for k, v in logit_bias.items()} if logit_bias else None
         tokens = self._prompt_tokens(prompt)
         if echo and not isinstance(prompt, str):
             raise ValueError("echo needs a text prompt")
+        events = self._run(tokens, gbnf, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
+                           typical_p=typical_p, stop=stop, frequency_penalty=frequency_penalty,
+                           presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k, seed=seed,
+                           mirostat_mode=mirostat_mode, logit_bias=logit_bias)
+        head = (oai.new_completion_id(), oai.now(), model if model is not None else self.model_path)
+        if stream:   # like Llama: echo applies to non-streaming responses only
+            return self._chunks(events, head, len(tokens), stand_in)
+        done = None
+        for ev in events:
+            if isinstance(ev, Done):
+                done = ev
+        self._finish(done, stand_in)
+        return oai.completion(*head, (prompt if echo else "") + done.text, done.finish_reason,
+                              oai.usage(len(tokens), self._n_completion(done)), oai.timings(done.stats))
+
+    def _run(self, tokens: List[int], grammar, *, max_tokens=16, temperature=0.8, top_p=0.95, min_p=0.05,
+             typical_p=1.0, stop=None, frequency_penalty=0.0, presence_penalty=0.0, repeat_penalty=1.0, top_k=40,
+             seed=None, mirostat_mode=0, logit_bias=None):
+        """The engine's events for a tokenized prompt (``grammar``: GBNF text or a compiled Grammar)."""
+        bias = {int(k): float(v) for k, v in logit_bias.items()} if logit_bias else None
         n_ctx = self.target.n_ctx
         if len(tokens) >= n_ctx:
             raise ContextOverflowError(f"Requested tokens ({len(tokens)}) exceed context window of {n_ctx}")
@@ -298,18 +345,8 @@ class DSpark(Owned):
             if self._llm.n_tokens:   # the Llama decoded since our last call: the memory is its, not ours
                 self.decoder.forget()
             self._llm.reset()   # the shared KV is about to hold our sequence, not the Llama's
-        events = self.decoder.stream(tokens, int(max_tokens), n_max=self.n_max, stop=stops, sampling=sampling,
-                                     reuse_prefix=self.cache_prompt, grammar=gbnf, logit_bias=bias)
-        head = (oai.new_completion_id(), oai.now(), model if model is not None else self.model_path)
-        if stream:   # like Llama: echo applies to non-streaming responses only
-            return self._chunks(events, head, len(tokens), stand_in)
-        done = None
-        for ev in events:
-            if isinstance(ev, Done):
-                done = ev
-        self._finish(done, stand_in)
-        return oai.completion(*head, (prompt if echo else "") + done.text, done.finish_reason,
-                              oai.usage(len(tokens), self._n_completion(done)), oai.timings(done.stats))
+        return self.decoder.stream(tokens, int(max_tokens), n_max=self.n_max, stop=stops, sampling=sampling,
+                                   reuse_prefix=self.cache_prompt, grammar=grammar, logit_bias=bias)
 
     def _chunks(self, events, head, n_prompt: int, stand_in) -> Iterator[dict]:
         for ev in events:
