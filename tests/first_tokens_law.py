@@ -65,13 +65,26 @@ def chi2_vs_law(samples: List[Tuple[int, ...]], law: Law) -> Tuple[float, int, f
     return stat, dof, p, outside
 
 
-def law_check(samples, law: Law, wrong_law: Law, what: str) -> str:
+def first_two(sp, prompt: Sequence[int], max_tokens: int, **stream) -> Tuple[int, ...]:
+    """The first two tokens ``sp.stream(prompt, max_tokens, **stream)`` emits (the stream is then
+    closed)."""
+    got: List[int] = []
+    it = sp.stream(prompt, max_tokens, **stream)
+    for ev in it:
+        got += ev.tokens
+        if len(got) >= 2:
+            break
+    it.close()
+    return tuple(got[:2])
+
+
+def law_check(samples, law: Law, wrong_law: Law, what: str, wrong_what: str = "another temperature's law") -> str:
     """Assert that ``samples`` fit ``law`` (p > 1e-3, nothing outside its support) and that the
     same samples reject ``wrong_law`` (p < 1e-6: the test has the power to see such a change)."""
     stat, dof, p, outside = chi2_vs_law(samples, law)
     wstat, wdof, wp, wout = chi2_vs_law(samples, wrong_law)
     report = (f"{what}: {len(samples)} samples over {len(law)} outcomes: chi2 {stat:.1f} dof {dof} p {p:.3g} "
-              f"outside {outside}; negative control (another temperature's law): chi2 {wstat:.1f} dof {wdof} "
+              f"outside {outside}; negative control ({wrong_what}): chi2 {wstat:.1f} dof {wdof} "
               f"p {wp:.3g}")
     print(report)
     assert outside == 0, "an outcome the target's sampler chain can never produce: " + report

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from llama_cpp import LlamaGrammar
 
-from first_tokens_law import law_check, two_token_law
+from first_tokens_law import first_two, law_check, two_token_law
 from greedy_ref import TEST_THREADS
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.paths import default_draft
@@ -98,16 +98,7 @@ def test_constrained_sampling_follows_the_constrained_law(sp, llama_refs):
     prompt = llm.tokenize(b"The capital of France is", add_bos=True, special=True)
     law = two_token_law(llm, prompt, params, grammar=gbnf)
     free = two_token_law(llm, prompt, params)
-    samples = []
-    for i in range(240):
-        got = []
-        it = sp.stream(prompt, 9, sampling=params.with_seed(500 + i), grammar=gbnf)
-        for ev in it:
-            got += ev.tokens
-            if len(got) >= 2:
-                break
-        it.close()
-        samples.append(tuple(got[:2]))
+    samples = [first_two(sp, prompt, 9, sampling=params.with_seed(500 + i), grammar=gbnf) for i in range(240)]
     law_check(samples, law, free, "constrained sampling, shipped drafter, forced blocks")
 
 
