@@ -4,7 +4,8 @@ Same target, same draft GGUF, same settings (n_ctx 4096, n_batch 512, flash atte
 --spec-draft-n-max 7, greedy): the Python loop must produce the same tokens, the same
 drafted/accepted totals (llama-server's ``timings``) and the same per-step (drafted, accepted)
 sequence (its LLAMA_TRACE log).  Drafts: a random DSpark draft (exercises the draft-length
-rules; accepts ~nothing); the same draft with target bigrams planted in its Markov head, so
+rules; accepts ~nothing), F32 as the tests' fixture and BF16 / Q8_0 / Q4_0 as ``-md random`` /
+``make-test-draft --type`` write it (BF16 also with planted bigrams); the same draft with target bigrams planted in its Markov head, so
 llama.cpp's in-graph Markov chain proposes real continuations with partial acceptances; the
 shipped trained drafter (F16 weights, reduced vocabulary through its d2t table); DFlash drafts
 (``--spec-type draft-dflash``: a random DFlash draft, and the shipped drafter's DFlash mode, its
