@@ -135,3 +135,19 @@ def test_off_and_cpu_default_attach_nothing(target_path):
     with pytest.raises(ValueError, match="backend_sampling"):
         ContextSettings(backend_sampling="maybe").validate()
     assert ll.llama_get_sampled_token_ith is not None
+
+
+def test_argmax_readout_is_lossless_too(target_path, bigram_draft, cases, llama_refs, monkeypatch):
+    """``PYLLAMA_DSPARK_DEVICE_READOUT=argmax``: llama.cpp's greedy sampler on the device (the token
+    only, no gap: no near-tie can be counted)."""
+    monkeypatch.setenv("PYLLAMA_DSPARK_DEVICE_READOUT", "argmax")
+    prompt, ref = cases[2]
+    with Speculator(target_path, bigram_draft, n_threads=TEST_THREADS, n_max=7, schedule="off",
+                    backend_sampling="on") as sp:
+        assert sp.target.samplers.kind == "argmax"
+        done = sp.generate(prompt, N)
+    assert done.tokens == ref, explain_mismatch(llama_refs.llm, prompt, done.tokens, ref, TIE_EPS)
+    assert done.stats.near_ties == 0 and done.stats.drafted > 0
+    monkeypatch.setenv("PYLLAMA_DSPARK_DEVICE_READOUT", "fastest")
+    with pytest.raises(ValueError, match="DEVICE_READOUT"):
+        Target(target_path, ContextSettings(n_ctx=256, n_threads=TEST_THREADS, backend_sampling="on"))

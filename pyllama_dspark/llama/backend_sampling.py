@@ -14,17 +14,31 @@ log-probabilities, a drafter drawing from its rows) has no sampler; attaching or
 llama.cpp re-reserve its graph on the next decode, so the state is changed only when it differs.
 
 ``mode``: ``"on"``, ``"off"`` or ``"auto"`` (on when the model's layers are offloaded to a GPU or
-RPC device, off on a CPU, where the logits never leave host memory), llama.cpp's ``-bs`` /
+RPC device, off on a CPU, where the logits never leave host memory and ggml's CPU top-k, a
+partial sort per row, costs more than the shim's vector scan), llama.cpp's ``-bs`` /
 ``--spec-draft-backend-sampling``.
+
+``$PYLLAMA_DSPARK_DEVICE_READOUT``: ``top2`` (the default: the top-2 gap keeps the near-tie
+count) or ``argmax`` (llama.cpp's greedy sampler: only the token comes back, one reduction a row,
+and no gap is known, so no near-tie is counted).  Which is faster depends on the device's top-k.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Dict
 
 from llama_cpp import llama_cpp as ll
 
 MODES = ("auto", "on", "off")
+READOUTS = ("top2", "argmax")
+
+
+def readout_kind() -> str:
+    kind = os.environ.get("PYLLAMA_DSPARK_DEVICE_READOUT", "top2")
+    if kind not in READOUTS:
+        raise ValueError(f"PYLLAMA_DSPARK_DEVICE_READOUT must be one of {READOUTS}, got {kind!r}")
+    return kind
 
 
 def check_mode(mode) -> str:
@@ -33,8 +47,9 @@ def check_mode(mode) -> str:
     return mode
 
 
-class Top2Samplers:
-    """The top-2 backend samplers of one llama.cpp context, one chain per sequence that has one.
+class DeviceSamplers:
+    """The read-out chains (top-2, or argmax: :func:`readout_kind`) of one llama.cpp context, one
+    chain per sequence that has one.
 
     The chains are owned here: a chain is initialised for the device when attached, so a detached
     one is freed, never attached again.  :meth:`close` detaches and frees them all (before the
@@ -43,6 +58,7 @@ class Top2Samplers:
     def __init__(self, ctx, enabled: bool):
         self.ctx = ctx
         self.enabled = bool(enabled)
+        self.kind = readout_kind() if enabled else "top2"
         self.supported = True          # False once llama.cpp refused a chain (e.g. -sm tensor)
         self._chains: Dict[int, object] = {}
         self.n_changes = 0
@@ -51,7 +67,7 @@ class Top2Samplers:
         return seq_id in self._chains
 
     def want(self, seq_id: int, on: bool) -> bool:
-        """Attach (``on``) or detach the sequence's top-2 chain if that changes anything; returns
+        """Attach (``on``) or detach the sequence's chain if that changes anything; returns
         whether the sequence now has one.  Never attaches when disabled or unsupported."""
         on = bool(on) and self.enabled and self.supported
         if on == (seq_id in self._chains):
@@ -63,7 +79,8 @@ class Top2Samplers:
             ll.llama_sampler_free(chain)
             return False
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(2))
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(2) if self.kind == "top2"
+                                   else ll.llama_sampler_init_greedy())
         if not ll.llama_set_sampler(self.ctx, seq_id, chain):
             ll.llama_sampler_free(chain)
             self.supported = False

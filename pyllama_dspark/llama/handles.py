@@ -24,7 +24,7 @@ from llama_cpp import llama_cpp as ll
 from pyllama_dspark.llama import _native as nat
 from pyllama_dspark.llama import rpc
 from pyllama_dspark.llama.backend import check_gguf_file, ensure_backend
-from pyllama_dspark.llama.backend_sampling import Top2Samplers
+from pyllama_dspark.llama.backend_sampling import DeviceSamplers
 from pyllama_dspark.llama.offload import resolve_n_gpu_layers
 from pyllama_dspark.llama.settings import ContextSettings  # noqa: F401  (re-exported: its historical home)
 from pyllama_dspark.llama.draft_meta import DraftMeta
@@ -66,7 +66,7 @@ class _ModelCtx(Owned):
     so that what the loop spends around them (the host's own work per cycle) can be reported."""
 
     llama_ms = 0.0
-    samplers: Top2Samplers = Top2Samplers(None, False)   # none until a context is made (llama/backend_sampling.py)
+    samplers: DeviceSamplers = DeviceSamplers(None, False)   # none until a context is made (llama/backend_sampling.py)
 
     def _llama(self, fn, *args, sync: bool = True):
         """``fn(*args)`` (a native decode), timed into :attr:`llama_ms`; ``sync``: wait for the
@@ -107,7 +107,7 @@ class _ModelCtx(Owned):
             self.model = None
             raise NativeError(f"llama.cpp could not create a context for {self.path}")
         self._read_sizes()
-        self.samplers = Top2Samplers(self.ctx, self.settings.device_readout)
+        self.samplers = DeviceSamplers(self.ctx, self.settings.device_readout)
         self._closed = False
 
     def _read_sizes(self) -> None:

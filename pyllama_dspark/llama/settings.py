@@ -11,7 +11,7 @@ from llama_cpp import llama_cpp as ll
 
 from pyllama_dspark.llama import rpc
 from pyllama_dspark.llama.backend import default_threads
-from pyllama_dspark.llama.backend_sampling import check_mode as check_backend_sampling
+from pyllama_dspark.llama.backend_sampling import check_mode as check_backend_sampling, readout_kind
 from pyllama_dspark.llama.offload import ALL_LAYERS, parse_n_gpu_layers
 
 #: output rows per sequence and decode that backend sampling is set up for (llama/backend_sampling.py)
@@ -63,6 +63,8 @@ class ContextSettings:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be > 0")
         check_backend_sampling(self.backend_sampling)
+        if self.backend_sampling != "off":
+            readout_kind()   # a bad $PYLLAMA_DSPARK_DEVICE_READOUT is refused before a load
         self.n_gpu_layers = parse_n_gpu_layers(self.n_gpu_layers)
         if self.n_gpu_layers_draft is not None:
             self.n_gpu_layers_draft = parse_n_gpu_layers(self.n_gpu_layers_draft)
