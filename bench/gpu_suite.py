@@ -6,7 +6,8 @@ users run it, and a table of what docs/gpu.md reports.
 
 Each config is ``run -m TARGET -ngl N -n N --temp 0 --ignore-eos --raw --json -p PROMPT`` plus its
 flags (default set below: no draft twice, ``auto`` with the random draft, ``-md oracle:0.9`` under
-``auto`` and as a fixed block, with bf16 and q8_0 drafts, with and without the device read-out).
+``auto`` and as a fixed block, with bf16 and q8_0 drafts, with and without the device read-out, and
+its argmax form; leading ``NAME=VALUE`` words set the run's environment).
 Per config: decode tok/s (``--json``, after the prefill) and its ratio to the no-draft median; tau;
 the draft pass split into llama.cpp's decode and the host's own work; the host's work per cycle;
 whether the tokens are the no-draft run's (and where they first differ, with the near-ties
@@ -36,16 +37,22 @@ DEFAULT_CONFIGS = ";".join([
     "or9_q8=-md oracle:0.9:q8_0",
     "or9_fixed=-md oracle:0.9 --schedule off",
     "or9_fixed_full_rows=-md oracle:0.9 --schedule off --no-backend-sampling",
+    "or9_fixed_argmax=PYLLAMA_DSPARK_DEVICE_READOUT=argmax -md oracle:0.9 --schedule off",
     "random_fixed=-md random --schedule off",
     "nodraft2=--no-draft",
 ])
 
 
 def run_one(cli, target, ngl, n, extra, timeout):
+    """One run process; leading ``NAME=VALUE`` words of ``extra`` go to its environment."""
+    words, env = shlex.split(extra), dict(os.environ)
+    while words and "=" in words[0] and words[0].split("=")[0].isupper():
+        k, _, v = words.pop(0).partition("=")
+        env[k] = v
     cmd = cli + ["run", "-m", target, "-ngl", str(ngl), "-n", str(n), "--temp", "0", "--ignore-eos", "--raw",
-                 "--json", "-p", PROMPT] + shlex.split(extra)
+                 "--json", "-p", PROMPT] + words
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if p.returncode != 0:
         return None, f"rc={p.returncode}: {p.stderr[-1200:]}", time.time() - t0
     return json.loads(p.stdout), None, time.time() - t0
