@@ -254,7 +254,8 @@ CHOICES = [("qwen3", "required"), ("qwen3", {"type": "function", "function": {"n
            ("mistral", {"type": "function", "function": {"name": "get_time"}}), ("mistral", "auto")]
 
 
-@pytest.mark.parametrize("kind,choice", CHOICES, ids=[f"{k}-{c if isinstance(c, str) else 'named'}" for k, c in CHOICES])
+@pytest.mark.parametrize("kind,choice", CHOICES,
+                         ids=[f"{k}-{c if isinstance(c, str) else 'named'}" for k, c in CHOICES])
 def test_constrained_decode_is_llama_cpps_with_and_without_a_draft(servers, targets, files, kind, choice):
     """Our prompt and grammar, decoded by llama-server's /completion (strict or lazy), by us in process
     without a draft, and by serve with a random draft verifying every block: the same tokens, and
@@ -378,7 +379,8 @@ BAD = [
     ({"tools": [WEATHER], "tool_choice": "always"}, "must be one of"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "must be a boolean"),
     ({"tools": [WEATHER], "grammar": 'root ::= "x"'}, "grammar constraints with tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]}, "not a valid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]},
+     "not a valid JSON schema"),
     ({"messages": USER + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}],
       "tools": [WEATHER]}, "is not JSON"),

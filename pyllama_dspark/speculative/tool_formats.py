@@ -145,8 +145,8 @@ def probe_caps(render: Render) -> TemplateCaps:
         two = _try(render, _probe_messages({"arg": "value"} if supports_obj else '{"arg": "value"}', 2),
                    tools=_PROBE_TOOLS)
         parallel = two is not None and two.count("tool1") > rendered.count("tool1")
-    return TemplateCaps(supports_tools=supports_tools, supports_tool_calls=calls, supports_object_arguments=supports_obj,
-                        supports_parallel_tool_calls=parallel,
+    return TemplateCaps(supports_tools=supports_tools, supports_tool_calls=calls,
+                        supports_object_arguments=supports_obj, supports_parallel_tool_calls=parallel,
                         supports_system_role=sysr is not None and "SYSTEM_MARKER" in sysr,
                         call_rendering=rendered or "")
 

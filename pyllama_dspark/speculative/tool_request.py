@@ -92,7 +92,8 @@ def check_tool_choice(choice: Any, tools: Sequence[dict]) -> Union[str, dict]:
         f = choice.get("function")
         name = f.get("name") if isinstance(f, dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):
-            raise ValueError("'tool_choice' as an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            raise ValueError("'tool_choice' as an object must be "
+                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
         if name not in names:
             raise ValueError(f"'tool_choice' names the function {name!r}, which is not in 'tools'")
         return {"name": name}
@@ -114,13 +115,15 @@ def check_tool_messages(messages: Sequence[dict]) -> None:
                 where = f"messages[{i}].tool_calls[{j}]"
                 f = c.get("function") if isinstance(c, dict) else None
                 if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
-                    raise ValueError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}")
+                    raise ValueError(f"{where} must be "
+                                     "{\"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
                 a = f.get("arguments")
                 if isinstance(a, str):
                     try:
                         a = json.loads(a)
                     except ValueError as e:
-                        raise ValueError(f"{where}.function.arguments is not JSON ({e}): {f['arguments'][:80]!r}") from None
+                        raise ValueError(f"{where}.function.arguments is not JSON ({e}): "
+                                         f"{f['arguments'][:80]!r}") from None
                 if not isinstance(a, dict):
                     raise ValueError(f"{where}.function.arguments must be a JSON object (or its text), got {_tn(a)}")
                 cid = c.get("id")
