@@ -211,54 +211,48 @@ def parse_reply(text: str, fmt: ToolFormat, names: Optional[Iterable[str]] = Non
 
 
 def _calls(s: str, k: int, fmt: ToolFormat, names, partial: bool) -> List[ToolCall]:
+    """The calls from the marker at ``s[k]`` on (ValueError when they are not calls)."""
     out: List[ToolCall] = []
-    i = k + len(fmt.section_open)
+    i = _skip_ws(s, k + len(fmt.section_open)) if fmt.array else k
     if fmt.array:
-        i = _skip_ws(s, i)
         if i >= len(s) and partial:
             return out
         if not s.startswith("[", i):
             raise ValueError("expected '['")
-        i = _skip_ws(s, i + 1)
-        while True:
-            if i >= len(s) and partial:
-                return out
-            call, i, done = _call_from(s, i, fmt, names, partial)
-            if call is not None:
-                out.append(call)
-            if not done:
-                return out
-            i = _skip_ws(s, i)
-            if i >= len(s) and partial:
-                return out
+        i += 1
+    while True:
+        if not fmt.array:
+            if not s.startswith(fmt.call_open, i):
+                if partial and fmt.call_open.startswith(s[i:]):
+                    return out
+                raise ValueError("expected a tool call")
+            i += len(fmt.call_open)
+        i = _skip_ws(s, i)
+        if i >= len(s) and partial:
+            return out
+        call, i, done = _call_from(s, i, fmt, names, partial)
+        if call is not None:
+            out.append(call)
+        i = _skip_ws(s, i)
+        if not done or (i >= len(s) and partial):
+            return out
+        if fmt.array:   # "," and the next call, or "]" and the end
             if s.startswith("]", i):
                 i += 1
                 break
             if not s.startswith(",", i):
                 raise ValueError("expected ',' or ']'")
-            i = _skip_ws(s, i + 1)
-    else:
-        while True:
-            if not s.startswith(fmt.call_open, i):
-                if partial and fmt.call_open.startswith(s[i:]):
+            i += 1
+            continue
+        close = fmt.call_close.strip(_WS)
+        if close:
+            if not s.startswith(close, i):
+                if partial and close.startswith(s[i:]):
                     return out
-                raise ValueError("expected a tool call")
-            i = _skip_ws(s, i + len(fmt.call_open))
-            call, i, done = _call_from(s, i, fmt, names, partial)
-            if call is not None:
-                out.append(call)
-            if not done:
-                return out
-            i = _skip_ws(s, i)
-            if fmt.call_close:
-                close = fmt.call_close.strip(_WS)
-                if not s.startswith(close, i):
-                    if partial and close.startswith(s[i:]):
-                        return out
-                    raise ValueError("expected the end of a tool call")
-                i = _skip_ws(s, i + len(close))
-            if i >= len(s) or not fmt.call_open:
-                break
+                raise ValueError("expected the end of a tool call")
+            i = _skip_ws(s, i + len(close))
+        if i >= len(s) or not fmt.call_open:
+            break
     if s[_skip_ws(s, i):].strip(_WS) and not partial:
         raise ValueError("text after the tool calls")
     return out
