@@ -172,7 +172,7 @@ def row_scans(vocabs, repeats, rank=32):
     import gguf
 
     from pyllama_dspark.llama import _native as nat
-    from pyllama_dspark.llama.handles import MarkovHead
+    from pyllama_dspark.llama.markov_head import MarkovHead
 
     rng = np.random.default_rng(1)
     print(f"\n{'vocab':>7} {'argmax+gap shim':>16} {'np.argmax':>10} {'Markov bias+W1 (rank %d)' % rank:>26}  ms/row")

@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 
-from pyllama_dspark.llama.handles import MarkovHead
+from pyllama_dspark.llama.markov_head import MarkovHead
 from pyllama_dspark.speculative.chain import apply_penalties, chain_dist_numpy
 from pyllama_dspark.speculative.draft_sampling import BlockSampler
 from pyllama_dspark.speculative.sampling import TokenSampler
@@ -224,7 +224,7 @@ def test_tied_logits_ordered_by_the_bias_alone(heads):
 _KERNEL_SCRIPT = """
 import sys, numpy as np
 from pyllama_dspark.llama import _native as nat
-from pyllama_dspark.llama.handles import MarkovHead
+from pyllama_dspark.llama.markov_head import MarkovHead
 m = MarkovHead(sys.argv[1], n_threads=1)
 rng = np.random.default_rng(11)
 ids, vals = np.empty(4096, np.int32), np.empty(4096, np.float32)

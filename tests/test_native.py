@@ -9,7 +9,8 @@ from gguf import GGUFReader
 from pyllama_dspark.llama import _native as nat
 from pyllama_dspark.errors import NativeError
 from pyllama_dspark.llama.draft_meta import read_draft_meta
-from pyllama_dspark.llama.handles import ContextSettings, Draft, MarkovHead, Target
+from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
+from pyllama_dspark.llama.markov_head import MarkovHead
 
 
 def test_one_libllama_in_the_process():

@@ -325,7 +325,7 @@ def test_markov_bias_and_w1_at_262k(tmp_path):
     """The Markov graph and its transfer with a 262,144-token vocabulary (W1 and W2 only)."""
     import gguf
 
-    from pyllama_dspark.llama.handles import MarkovHead
+    from pyllama_dspark.llama.markov_head import MarkovHead
 
     v, rank = 262144, 8
     rng = np.random.default_rng(0)

@@ -274,7 +274,7 @@ class DraftModelProposer(Proposer):
     def _sampler(self):
         if self._block_sampler is None:
             from pyllama_dspark.speculative.draft_sampling import BlockSampler, read_conf_head, read_d2t
-            from pyllama_dspark.llama.handles import MarkovHead
+            from pyllama_dspark.llama.markov_head import MarkovHead
             from pyllama_dspark.llama.rpc import local_gpu_devices
 
             d, m = self.draft, self.meta
