@@ -309,3 +309,53 @@ def test_generic_form_for_a_template_without_tool_syntax():
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in plan.prompt
     assert "<tool_response>\n21 C\n</tool_response>" in plan.prompt
     assert plan.grammar is not None and not plan.grammar.lazy and plan.parses
+
+
+# ---- T > 0: the lazy grammar keeps the constrained law under speculation --------------------------------
+def test_lazy_grammar_sampling_follows_llama_cpps_law(target_path, llama_refs):
+    """SmolLM2, the generic form's "auto" grammar with "<" as its trigger token (the prompt makes "<"
+    a likely first token), the shipped drafter verifying every block, T = 1: the first two tokens follow
+    llama.cpp's chain with its grammar sampler from the trigger on (free first token; after "<" the
+    grammar advanced by it).  Negative control: the strict grammar's law (the call from the first token)."""
+    from first_tokens_law import first_two, law_check, two_token_law
+    from llama_sampler_ref import LlamaChain
+    from pyllama_dspark.paths import default_draft
+    from pyllama_dspark.speculative.sampling_params import SamplingParams
+    from pyllama_dspark.speculative.tool_chat import tool_chat_for
+
+    tools = check_tools([{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])
+    params = SamplingParams(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
+    with Speculator(target_path, default_draft(), n_ctx=2048, n_threads=1, schedule="off") as sp:
+        msgs = [{"role": "user", "content": "Reply with a <tool_call> that calls get_weather for Paris."}]
+        plan = plan_tools(tool_chat_for(sp.target), msgs, tools, "auto", False)
+        prompt = sp.target.tokenize(plan.prompt, add_special=not plan.added_special, parse_special=True)
+        (lt,) = sp.target.tokenize("<", False, True)
+        gbnf = plan.grammar.gbnf
+        lazy = LazyGrammar.compile(gbnf, sp.target, tokens=[lt])
+        samples = [first_two(sp, prompt, 4, sampling=params.with_seed(900 + i), grammar=lazy, reuse_prefix=True)
+                   for i in range(240)]
+        lazy.close()
+    llm = llama_refs.llm
+    v, vocab = llm.n_vocab(), ll.llama_model_get_vocab(llm.model)
+
+    def row():
+        return np.ctypeslib.as_array(ll.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(v,)).copy()
+
+    llm.reset()
+    llm.eval(prompt)
+    n = llm.n_tokens
+    chain = LlamaChain(params, v, prompt)
+    p1 = chain.probs(row())
+    chain.close()
+    law = {}
+    for t1 in map(int, np.flatnonzero(p1)):
+        llm.n_tokens = n
+        llm.eval([t1])
+        chain = LlamaChain(params, v, prompt + [t1], grammar=(vocab, gbnf, (t1,)) if t1 == lt else None)
+        p2 = chain.probs(row())
+        chain.close()
+        law.update({(t1, int(t2)): float(p1[t1] * p2[t2]) for t2 in np.flatnonzero(p2)})
+    assert p1[lt] > 0.2 and any(t1 == lt for t1, _ in samples)
+    strict = two_token_law(llm, prompt, params, grammar=gbnf)
+    law_check(samples, law, strict, "lazy grammar, shipped drafter, forced blocks", "the strict grammar's law")
