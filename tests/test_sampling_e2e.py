@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 from llama_cpp import llama_cpp as ll
 
+from first_tokens_law import first_two as first_tokens
 from greedy_ref import open_llama, TEST_THREADS
 from llama_sampler_ref import LlamaChain
 from pyllama_dspark.decode.api import Speculator
@@ -114,14 +115,7 @@ class Recorder:
 
 
 def first_two(sp, prompt, params, seed):
-    it = sp.stream(prompt, 3, sampling=params.with_seed(seed), reuse_prefix=True)
-    got = []
-    for ev in it:
-        got += ev.tokens
-        if len(got) >= 2:
-            break
-    it.close()
-    return tuple(got[:2])
+    return first_tokens(sp, prompt, 3, sampling=params.with_seed(seed), reuse_prefix=True)
 
 
 def chi2_test(samples, joint):
