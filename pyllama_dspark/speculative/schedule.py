@@ -48,8 +48,12 @@ class CostModel:
         self.draft_ms = d
         if v.size >= 2:  # least-squares slope over the last half of the table (one jag cannot flatten it)
             k = max(2, (v.size + 1) // 2)
-            x = np.arange(v.size - k, v.size, dtype=np.float64)
-            self._slope = max(0.0, float(np.polyfit(x, v[-k:], 1)[0]))
+            # the least-squares slope (np.polyfit's degree 1, without its ~50 us of set-up: the
+            # policy rebuilds a cost model whenever a measured cycle cost moves)
+            x = np.arange(k, dtype=np.float64)
+            x -= x.mean()
+            y = v[-k:]
+            self._slope = max(0.0, float(np.dot(x, y - y.mean()) / np.dot(x, x)))
         else:
             self._slope = float(v[-1])
 
