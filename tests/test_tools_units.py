@@ -359,3 +359,43 @@ def test_lazy_grammar_sampling_follows_llama_cpps_law(target_path, llama_refs):
     assert p1[lt] > 0.2 and any(t1 == lt for t1, _ in samples)
     strict = two_token_law(llm, prompt, params, grammar=gbnf)
     law_check(samples, law, strict, "lazy grammar, shipped drafter, forced blocks", "the strict grammar's law")
+
+
+def test_any_text_parses_and_streams_without_error():
+    """Model output is arbitrary where no grammar ran: every format parses any text, in any cut; the
+    streamed deltas always reassemble to the stream's final message, and that is the text's parse
+    unless a call already sent turned out not to be one (a stream cannot take it back)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    pieces = st.sampled_from(['<tool_call>\n', '</tool_call>', '\n', ' ', '{', '}', '"name"', ': ', '"ping"', ',',
+                              '"arguments"', '"parameters"', '{}', '[TOOL_CALLS]', '[', ']', '"id"', '"a1b2c3d4e"',
+                              '<think>', '</think>', 'x', '\\', '"',
+                              '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>',
+                              '[TOOL_CALLS][{"name": "ping", "arguments": {}}]', '{"name": "ping", "parameters": {}}',
+                              '<tool_call>\n{"name": "pong", "arguments": {}}\n</tool_call>'])
+    formats = [FORMATS["hermes"], FORMATS["llama3"], FORMATS["mistral"],
+               type(FORMATS["hermes"])(**{**FORMATS["hermes"].__dict__, "think": ("<think>", "</think>")})]
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(pieces, max_size=30), st.integers(0, 3), st.integers(1, 5))
+    def check(parts, f, step):
+        fmt, text = formats[f], "".join(parts)
+        final = parse_reply(text, fmt, ["ping"])
+        d = ReplyDiffer(fmt, ["ping"])
+        content = ""
+        args: dict = {}
+        for k in list(range(step, len(text), step)) + [len(text)]:
+            for delta in d.update(text[:k], final=k == len(text))[1]:
+                content += delta.get("content", "")
+                for tc in delta.get("tool_calls", []):
+                    args[tc["index"]] = args.get(tc["index"], "") + tc.get("function", {}).get("arguments", "")
+        last = d.prev
+        assert content == last.content, (text, content)
+        assert sorted(args) == list(range(len(last.calls))), (text, args)
+        assert [args[i] for i in range(len(last.calls))] == [c.arguments for c in last.calls]
+        if len(final.calls) >= len(args):
+            assert (last.content, [(c.name, c.arguments) for c in last.calls]) == \
+                (final.content, [(c.name, c.arguments) for c in final.calls]), text
+
+    check()

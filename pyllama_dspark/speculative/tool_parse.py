@@ -135,7 +135,7 @@ def _call_from(s: str, i: int, fmt: ToolFormat, names: Optional[set], partial: b
     if span is None:
         if done:
             raise ValueError(f"a tool call without {fmt.args_key!r}")
-        return ToolCall(name, "", complete=False), end, False
+        return None, end, False   # reported once its arguments start (fewer calls to take back)
     a0, a1 = span
     args = s[a0:a1] if a1 is not None else s[a0:].rstrip(_WS)
     if a1 is not None and not isinstance(vals.get(fmt.args_key), dict):
@@ -201,61 +201,76 @@ def parse_reply(text: str, fmt: ToolFormat, names: Optional[Iterable[str]] = Non
             reply.content = rest
             return reply
     try:
-        calls = _calls(rest, k, fmt, names, partial)
+        calls, end = _calls(rest, k, fmt, names, partial)
     except ValueError:
         reply.content = rest       # not a call after all (no grammar ran)
         return reply
-    reply.content = rest[:k] if marker else ""
+    # text after the calls (no grammar ran) stays content, after the text before them
+    reply.content = (rest[:k] if marker else "") + rest[end:]
     reply.calls = calls
     return reply
 
 
-def _calls(s: str, k: int, fmt: ToolFormat, names, partial: bool) -> List[ToolCall]:
-    """The calls from the marker at ``s[k]`` on (ValueError when they are not calls)."""
+def _calls(s: str, k: int, fmt: ToolFormat, names, partial: bool) -> Tuple[List[ToolCall], int]:
+    """(the calls from the marker at ``s[k]`` on, where they end): ValueError when the first is not
+    a call; text after complete calls ends them (the end is returned, the caller keeps the text)."""
     out: List[ToolCall] = []
+    end = len(s)
     i = _skip_ws(s, k + len(fmt.section_open)) if fmt.array else k
     if fmt.array:
         if i >= len(s) and partial:
-            return out
+            return out, end
         if not s.startswith("[", i):
             raise ValueError("expected '['")
         i += 1
     while True:
-        if not fmt.array:
-            if not s.startswith(fmt.call_open, i):
-                if partial and fmt.call_open.startswith(s[i:]):
-                    return out
-                raise ValueError("expected a tool call")
-            i += len(fmt.call_open)
-        i = _skip_ws(s, i)
-        if i >= len(s) and partial:
-            return out
-        call, i, done = _call_from(s, i, fmt, names, partial)
-        if call is not None:
-            out.append(call)
-        i = _skip_ws(s, i)
-        if not done or (i >= len(s) and partial):
-            return out
-        if fmt.array:   # "," and the next call, or "]" and the end
+        start = i
+        try:
+            i, done = _one_call(s, i, fmt, names, partial, out)
+        except ValueError:
+            if out:               # complete calls, then something else: that is content
+                return out, start
+            raise
+        if not done:
+            return out, end
+        if fmt.array:
             if s.startswith("]", i):
-                i += 1
-                break
-            if not s.startswith(",", i):
-                raise ValueError("expected ',' or ']'")
-            i += 1
-            continue
-        close = fmt.call_close.strip(_WS)
-        if close:
-            if not s.startswith(close, i):
-                if partial and close.startswith(s[i:]):
-                    return out
-                raise ValueError("expected the end of a tool call")
-            i = _skip_ws(s, i + len(close))
-        if i >= len(s) or not fmt.call_open:
-            break
-    if s[_skip_ws(s, i):].strip(_WS) and not partial:
-        raise ValueError("text after the tool calls")
-    return out
+                return out, _skip_ws(s, i + 1)
+            i += 1                # the ","
+        elif i >= len(s) or not fmt.call_open:
+            return out, i
+
+
+def _one_call(s: str, i: int, fmt: ToolFormat, names, partial: bool, out: List[ToolCall]) -> Tuple[int, bool]:
+    """Read one call at ``s[i]`` into ``out``: (index after it and what follows it, whether more
+    may follow); ValueError when it is not a call."""
+    if not fmt.array:
+        if not s.startswith(fmt.call_open, i):
+            if partial and fmt.call_open.startswith(s[i:]):
+                return i, False
+            raise ValueError("expected a tool call")
+        i += len(fmt.call_open)
+    i = _skip_ws(s, i)
+    if i >= len(s) and partial:
+        return i, False
+    call, i, done = _call_from(s, i, fmt, names, partial)
+    if call is not None:
+        out.append(call)
+    i = _skip_ws(s, i)
+    if not done or (i >= len(s) and partial):
+        return i, False
+    if fmt.array:   # "," and the next call, or "]" and the end
+        if not s.startswith(("]", ","), i):
+            raise ValueError("expected ',' or ']'")
+        return i, True
+    close = fmt.call_close.strip(_WS)
+    if close:
+        if not s.startswith(close, i):
+            if partial and close.startswith(s[i:]):
+                return i, False
+            raise ValueError("expected the end of a tool call")
+        i = _skip_ws(s, i + len(close))
+    return i, True
 
 
 class ReplyDiffer:
