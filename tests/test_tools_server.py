@@ -379,6 +379,7 @@ BAD = [
     ({"tools": [WEATHER], "tool_choice": "always"}, "must be one of"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "must be a boolean"),
     ({"tools": [WEATHER], "grammar": 'root ::= "x"'}, "grammar constraints with tools"),
+    ({"tools": [WEATHER], "stream": True, "logprobs": True}, "logprobs is not supported"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]},
      "not a valid JSON schema"),
     ({"messages": USER + [{"role": "assistant", "content": "", "tool_calls": [
@@ -457,3 +458,13 @@ def test_generic_auto_on_smollm2_emits_the_call_as_llama_cpps_lazy_grammar(targe
     reply = parse_reply(plain.text, plan.fmt, plan.names)
     assert [c.name for c in reply.calls] == ["get_weather"], plain.text
     jsonschema.validate(json.loads(reply.calls[0].arguments), tools[0]["function"]["parameters"])
+
+
+def test_tool_choice_none_keeps_the_requests_own_schema(servers):
+    """tool_choice "none": the tools are only in the prompt, and a JSON response_format still holds."""
+    r = _post(servers.get("qwen3", "plain"), "/v1/chat/completions", {
+        "messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": 8, "temperature": 0,
+        "response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert "tool_calls" not in msg and msg["content"].lstrip().startswith("{"), msg

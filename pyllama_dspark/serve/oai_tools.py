@@ -3,7 +3,8 @@
 ``tool_calls`` / ``tool_call_id`` (:mod:`~pyllama_dspark.speculative.tool_request`): every mistake is a
 400 that says what is wrong.
 
-As llama-server: ``tools`` together with ``grammar`` is refused unless ``tool_choice`` is "none".
+As llama-server: ``tools`` together with ``grammar`` is refused unless ``tool_choice`` is "none", and
+``logprobs`` with tools and ``stream`` is refused.
 Unlike it, ``json_schema`` / a JSON ``response_format`` together with tools is refused too
 (llama-server silently drops the tools for the schema)."""
 
@@ -48,6 +49,8 @@ def parse_tool_fields(body: dict, messages: Sequence[dict]) -> Optional[ToolFiel
     if kw is not None and not isinstance(kw, dict):
         raise RequestError(f"'chat_template_kwargs' must be an object, got {_typename(kw)}",
                            param="chat_template_kwargs")
+    if tools and body.get("stream") is True and body.get("logprobs") is True:
+        raise RequestError("logprobs is not supported with tools + stream", param="logprobs")   # as llama-server
     if tools and choice != "none":
         if body.get("grammar") is not None:
             raise RequestError("Cannot use custom grammar constraints with tools.", param="grammar")

@@ -219,7 +219,8 @@ class Serving:
         if req.kind == "chat" and req.tools is not None:   # tools: prompt and grammar of tool_serving
             plan, tokens, gbnf = await run_in_threadpool(tool_prompt, pool, req)
             stop = list(req.stop)
-            _, bias = await run_in_threadpool(engine_constraints, pool, req, False)
+            own, bias = await run_in_threadpool(engine_constraints, pool, req, gbnf is None)
+            gbnf = own if gbnf is None else gbnf    # tool_choice "none": the request's own grammar, if any
             reply = ToolReply(plan, pool.front.target)
         else:
             tokens, stop = await run_in_threadpool(prepare_prompt, pool, req)
