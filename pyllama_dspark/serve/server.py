@@ -233,7 +233,7 @@ class Serving:
         streaming = bool(req.stream)
 
         def on_event(ev: Any) -> None:   # from the worker thread
-            if not isinstance(ev, Chunk) and not isinstance(gbnf, (str, type(None))):
+            if isinstance(ev, (Done, BaseException)) and not isinstance(gbnf, (str, type(None))):
                 gbnf.close()   # a lazy grammar: the decoder worked on its own copy, now done
             if not streaming and isinstance(ev, Chunk):
                 # a non-streaming reply needs only its Done: no event-loop wake-up per step (on a
