@@ -468,3 +468,17 @@ def test_tool_choice_none_keeps_the_requests_own_schema(servers):
     assert r.status_code == 200, r.text
     msg = r.json()["choices"][0]["message"]
     assert "tool_calls" not in msg and msg["content"].lstrip().startswith("{"), msg
+
+
+def test_a_stop_string_cuts_the_streamed_reply_where_it_cuts_the_reply(servers):
+    srv = servers.get("qwen3", "plain")
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 24, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    text = _post(srv, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    stop = text[len(text) // 2:len(text) // 2 + 5]
+    assert len(text) > 20 and stop.strip(), text
+    full = _post(srv, "/v1/chat/completions", {**body, "stop": [stop]}).json()["choices"][0]
+    events = sse_json(SESSION.post(srv.url + "/v1/chat/completions", json={**body, "stop": [stop], "stream": True},
+                                   stream=True, timeout=600))
+    streamed = "".join(ev["choices"][0]["delta"].get("content") or "" for ev in events[:-1])
+    assert full["message"]["content"] == streamed == text[:text.index(stop)]

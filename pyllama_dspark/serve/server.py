@@ -221,7 +221,7 @@ class Serving:
             stop = list(req.stop)
             own, bias = await run_in_threadpool(engine_constraints, pool, req, gbnf is None)
             gbnf = own if gbnf is None else gbnf    # tool_choice "none": the request's own grammar, if any
-            reply = ToolReply(plan, pool.front.target)
+            reply = ToolReply(plan, pool.front.target, stop)
         else:
             tokens, stop = await run_in_threadpool(prepare_prompt, pool, req)
             gbnf, bias = await run_in_threadpool(engine_constraints, pool, req)

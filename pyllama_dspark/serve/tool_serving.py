@@ -12,7 +12,7 @@ cut (its calls then carry the arguments written so far, as llama-server's lenien
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from pyllama_dspark.decode.cycle import Done
 from pyllama_dspark.serve.oai_errors import RequestError
@@ -57,16 +57,21 @@ def tool_prompt(pool, req) -> Tuple[ToolPlan, List[int], Any]:
 class ToolReply:
     """The reply of one request with tools, token by token (streaming) or at its end."""
 
-    def __init__(self, plan: ToolPlan, target):
+    def __init__(self, plan: ToolPlan, target, stop: Sequence[str] = ()):
         self.plan = plan
         self.text = ReplyText(target.token_to_piece, target.is_eog, plan.special_ids(target))
         self.differ = ReplyDiffer(plan.fmt, plan.names, plan.lstrip) if plan.parses else None
+        self.stop = [x for x in stop if x]
+        self._hold = max((len(x) for x in self.stop), default=1) - 1
 
     def deltas(self, tokens) -> List[dict]:
-        """The ``delta`` objects of newly emitted tokens (content, reasoning, tool calls)."""
+        """The ``delta`` objects of newly emitted tokens (content, reasoning, tool calls); text that
+        may be the start of a stop string is held back, as the engine holds it back."""
         text = self.text.push(tokens)
         if self.differ is None:
             return []
+        cut = [k for k in (text.find(x) for x in self.stop) if k >= 0]
+        text = text[:min(cut)] if cut else text[:len(text) - self._hold]
         return self.differ.update(text)[1]
 
     def _final_text(self, done: Done) -> str:
