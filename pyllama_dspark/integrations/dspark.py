@@ -246,7 +246,7 @@ class DSpark(Owned):
                         self.last_stats = ev.stats
                     yield ev
             return tool_chat(self.target, plan, run, stream=stream, n_completion=self._n_completion,
-                             model=model if model is not None else self.model_path)
+                             model=model if model is not None else self.model_path, stop=stop)
         stand_in = _LlamaStandIn(self)
         out = self._handler(
             llama=stand_in, messages=list(messages), functions=functions, function_call=function_call,

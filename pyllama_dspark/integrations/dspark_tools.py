@@ -57,12 +57,13 @@ def _chat_chunk(cid: str, created: int, model: str, delta: dict, finish: Optiona
 
 
 def tool_chat(target, plan: ToolPlan, run: Callable[[List[int], Any], Iterator], *, stream: bool, model: str,
-              n_completion: Callable[[Done], int]):
+              n_completion: Callable[[Done], int], stop=None):
     """The chat completion (or its chunks) of ``plan``: ``run(tokens, grammar)`` decodes (the
-    DSpark's engine) and yields Chunk / Done events."""
+    DSpark's engine) and yields Chunk / Done events; ``stop``: the request's stop strings."""
     tokens = target.tokenize(plan.prompt, add_special=not plan.added_special, parse_special=True)
     grammar = plan.compile(target)
-    text = ReplyText(target.token_to_piece, target.is_eog, plan.special_ids(target))
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    text = ReplyText(target.token_to_piece, target.is_eog, plan.special_ids(target), stops)
     differ = ReplyDiffer(plan.fmt, plan.names, plan.lstrip) if plan.parses else None
     cid, created = f"chatcmpl-{uuid.uuid4()}", oai.now()
 
@@ -76,10 +77,7 @@ def tool_chat(target, plan: ToolPlan, run: Callable[[List[int], Any], Iterator],
     def final(done: Done):
         if differ is None:
             return {"role": "assistant", "content": done.text}, [], done.finish_reason
-        t = text.finish()
-        if done.stop_word and done.stop_word in t:
-            t = t[:t.index(done.stop_word)]
-        reply, deltas = differ.update(t, final=done.finish_reason != "length")
+        reply, deltas = differ.update(text.finish(), final=done.finish_reason != "length")
         reason = "tool_calls" if reply.calls and done.finish_reason == "stop" else done.finish_reason
         return message_json(reply), deltas, reason
 

@@ -59,27 +59,15 @@ class ToolReply:
 
     def __init__(self, plan: ToolPlan, target, stop: Sequence[str] = ()):
         self.plan = plan
-        self.text = ReplyText(target.token_to_piece, target.is_eog, plan.special_ids(target))
+        self.text = ReplyText(target.token_to_piece, target.is_eog, plan.special_ids(target), stop)
         self.differ = ReplyDiffer(plan.fmt, plan.names, plan.lstrip) if plan.parses else None
-        self.stop = [x for x in stop if x]
-        self._hold = max((len(x) for x in self.stop), default=1) - 1
 
     def deltas(self, tokens) -> List[dict]:
-        """The ``delta`` objects of newly emitted tokens (content, reasoning, tool calls); text that
-        may be the start of a stop string is held back, as the engine holds it back."""
+        """The ``delta`` objects of newly emitted tokens (content, reasoning, tool calls)."""
         text = self.text.push(tokens)
         if self.differ is None:
             return []
-        cut = [k for k in (text.find(x) for x in self.stop) if k >= 0]
-        text = text[:min(cut)] if cut else text[:len(text) - self._hold]
         return self.differ.update(text)[1]
-
-    def _final_text(self, done: Done) -> str:
-        text = self.text.finish()
-        if done.stop_word:
-            k = text.find(done.stop_word)
-            text = text[:k] if k >= 0 else text
-        return text
 
     def finish(self, done: Done, streamed: bool) -> Tuple[Optional[Reply], List[dict], str]:
         """(the parsed reply (None without parsing), the last deltas when streaming, finish_reason)."""
@@ -87,7 +75,7 @@ class ToolReply:
             return None, [], done.finish_reason
         if not streamed:
             self.text.push(done.tokens)
-        text = self._final_text(done)
+        text = self.text.finish()
         reply, deltas = self.differ.update(text, final=done.finish_reason != "length")
         reason = "tool_calls" if reply.calls and done.finish_reason == "stop" else done.finish_reason
         return reply, deltas if streamed else [], reason

@@ -324,22 +324,33 @@ class ReplyDiffer:
 class ReplyText:
     """Token ids -> reply text, rendering the special tokens of a tool-call format (``[TOOL_CALLS]``
     is a control token: llama-server renders it as a "preserved token").  ``piece(token, special)``
-    is the target's ``token_to_piece``; ``eog(token)``: end-of-generation tokens are not text."""
+    is the target's ``token_to_piece``; ``eog(token)``: end-of-generation tokens are not text;
+    ``stop``: the text ends before the first stop string, and while streaming what may be the start
+    of one is held back (as the engine's own text)."""
 
-    def __init__(self, piece: Callable[[int, bool], bytes], eog: Callable[[int], bool], special: Sequence[int] = ()):
+    def __init__(self, piece: Callable[[int, bool], bytes], eog: Callable[[int], bool], special: Sequence[int] = (),
+                 stop: Sequence[str] = ()):
         self._piece, self._eog, self.special = piece, eog, frozenset(int(t) for t in special)
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""
+        self.stop = [x for x in stop if x]
+        self._hold = max((len(x) for x in self.stop), default=1) - 1
+
+    def _cut(self, final: bool) -> str:
+        hits = [k for k in (self.text.find(x) for x in self.stop) if k >= 0]
+        if hits:
+            return self.text[:min(hits)]
+        return self.text if final else self.text[:len(self.text) - self._hold]
 
     def push(self, tokens: Iterable[int]) -> str:
-        out = "".join(self._dec.decode(self._piece(int(t), int(t) in self.special)) for t in tokens
-                      if not self._eog(int(t)))
-        self.text += out
-        return self.text
+        """The text so far after ``tokens``."""
+        self.text += "".join(self._dec.decode(self._piece(int(t), int(t) in self.special)) for t in tokens
+                             if not self._eog(int(t)))
+        return self._cut(False)
 
     def finish(self) -> str:
         self.text += self._dec.decode(b"", final=True)
-        return self.text
+        return self._cut(True)
 
 
 def message_json(reply: Reply) -> dict:
