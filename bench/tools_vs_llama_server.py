@@ -127,8 +127,13 @@ def main():
         print(f"  [{name}] {' '.join(s.command())}")
     rec: Dict[str, List[dict]] = {k: [] for k in servers}
     try:
-        for s in servers.values():
+        for name, s in servers.items():   # started, then one untimed request each (first-use costs)
             s.start()
+            if name.startswith("llama-server"):
+                timed_post(s.url, "/completion", {"prompt": plans[0][0], "n_predict": 8, **plans[0][1]})
+            else:
+                timed_post(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": asks[0]}],
+                                                            "tools": [TOOL], "tool_choice": a.choice, "max_tokens": 8})
         for r in range(a.rounds):
             names = list(servers)
             names = names[r % len(names):] + names[:r % len(names)]     # rotate the order every round
