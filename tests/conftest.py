@@ -49,7 +49,9 @@ os.environ.setdefault("PYLLAMA_DSPARK_SCHEDULE_MEMORY", "0")
 # first: with --no-loadscope-reorder (pyproject) pytest-xdist hands each worker the next file in
 # collection order once it is nearly done with its last, so the longest first leaves the short
 # ones to even out the end (a long file collected last would leave one worker running it alone)
-LONGEST_FIRST = ("test_lossless.py", "test_parity_cpp.py", "test_sampling_blocks.py", "test_sampling_e2e.py",
+LONGEST_FIRST = ("test_lossless.py", "test_parity_cpp.py", "test_tools_server.py", "test_sampling_blocks.py",
+                 "test_sampling_e2e.py", "test_backend_sampling.py", "test_tools_dspark.py", "test_draft_types.py",
+                 "test_oracle_reanchor.py",
                  "test_integration_dspark.py", "test_serve.py", "test_integration_plugin.py", "test_batch.py",
                  "test_rpc.py", "test_cli_schedules.py", "test_interop.py", "test_interop_keys.py",
                  "test_targets_arch.py", "test_costprofile.py", "test_readme.py", "test_grammar_cut_law.py",
