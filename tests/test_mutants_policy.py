@@ -775,3 +775,28 @@ def test_a_slow_start_of_plain_cycles_is_forgotten_at_once():
     assert p._extra_ms[(1, True)][0] == pytest.approx(42.0 - t(8))
     p.observe_cycle(1, 1, 20.0)
     assert p._cycle_ms[(1, 1)][0] == pytest.approx(10.0 * math.exp(0.1 * 0.2))
+
+
+def test_a_plain_plan_is_held_while_only_cycle_costs_move():
+    """REPLAN_PLAIN_CYCLES: while plain decoding wins, cycle costs that move re-plan at most once in
+    32 cycles; what the drafts are worth (an acceptance update with a verified draft) re-plans at once."""
+    from pyllama_dspark.speculative.policy import REPLAN_PLAIN_CYCLES
+
+    assert REPLAN_PLAIN_CYCLES == 32
+    p = VerifyPolicy(mode="auto", cost=NEVER, gamma=3, probe_every=0)
+    p.observe_draft(1, 50.0)
+    p.observe_draft(1, 50.0)
+    p.observe_cycle(1, 2, 100.0)       # a drafting cycle measured, then plain ones: both kinds known
+    plans = []
+    orig = p._plan
+    p._plan = lambda r, n: plans.append(p._cycles) or orig(r, n)
+    for i in range(100):
+        assert not p.want_draft(1)
+        p.update(0, 0)
+        p.observe_cycle(1, 1, 10.0 if (i // 3) % 2 else 16.0)   # a plain cell that keeps moving
+    assert p._cost_bumps >= 8                            # the costs moved ...
+    assert 3 <= len(plans) <= 5                          # ... yet it re-planned every 32 cycles
+    assert all(b - a >= REPLAN_PLAIN_CYCLES for a, b in zip(plans, plans[1:]))
+    n = len(plans)
+    p.update(1, 0)                                       # a verified draft: learned something
+    assert not p.want_draft(1) and len(plans) == n + 1   # re-planned at once

@@ -108,6 +108,7 @@ def observe(p, n_requests: int, n_rows: int, ms: float) -> None:
         p._cost_version += 1
         if p.extra_estimate(n_requests) != (0.0, 0.0):
             p._version += 1
+            p._cost_bumps += 1
 
 
 def curve_speed(p, r: int) -> float:

@@ -54,6 +54,11 @@ DRAFT_MARGIN = 0.03
 #: then reads what it measured.  The cost is bounded: a handful of cycles per block, kept in the
 #: memory with the cycle costs, so a later process does not try them again.
 EXPLORE_BAND = 0.15
+#: While the plan says plain decoding wins, a moved cycle cost alone re-plans at most once in this
+#: many cycles (a re-plan is ~0.4 ms of Python on a 2-core CPU, and jitter moved a plain cell every
+#: ~12 cycles: ~30 us a cycle of host work in a run that drafts nothing).  What the drafts were
+#: worth (acceptance, the draft pass, a probe's loss) re-plans at once, as before.
+REPLAN_PLAIN_CYCLES = 32
 
 
 @dataclass
@@ -94,6 +99,8 @@ class VerifyPolicy:
     _probing: bool = False        # this cycle's draft is a probe: it verifies at least one token
     _version: int = 0             # bumped whenever an input of want_draft's estimate changes
     _pays: dict = field(default_factory=dict, repr=False)   # R -> (version, does drafting pay)
+    _cost_bumps: int = 0          # of _version's bumps, those from a moved cycle cost (cycle_costs.observe)
+    _plain_plan: dict = field(default_factory=dict, repr=False)  # R -> (version less cost bumps, _cycles) of a plain plan
     _gaps: dict = field(default_factory=dict, repr=False)   # R -> (version, cycles between probes)
     _restored_draft: bool = False  # draft_ms came from an earlier process (its first pass here is cold)
     _draft_passes: int = 0         # draft passes timed in this process
@@ -361,8 +368,15 @@ class VerifyPolicy:
         hit = self._pays.get(n_requests)
         if hit is not None and hit[0] == self._version:
             return hit[1]
+        learned = self._version - self._cost_bumps
+        if hit is not None and not hit[1]:
+            held = self._plain_plan.get(n_requests)
+            if held is not None and held[0] == learned and self._cycles - held[1] < REPLAN_PLAIN_CYCLES:
+                return False   # only a cycle cost moved since plain decoding was planned, and lately
         pays = self._plan(n_requests, self.gamma)[0] > 0
         self._pays[n_requests] = (self._version, pays)
+        if not pays:
+            self._plain_plan[n_requests] = (learned, self._cycles)
         return pays
 
     # ---- after drafting -------------------------------------------------------------------------
