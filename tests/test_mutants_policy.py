@@ -104,7 +104,7 @@ def test_budget_gap_by_hand():
     # probe = draft 50 + t(2) - t(1) = 140 ms; gap = ceil(140 / (0.01 * 10)) = 1400
     p = VerifyPolicy(mode="auto", cost=NEVER, learn_costs=False)
     assert p._budget_gap(1) == 1400 and p._budget_gap(0) == 1400
-    assert p._gaps[1] == ((p._version, 0.0, True), 1400)
+    assert p._gaps[1][:2] == ((p._version, 0.0, True), 1400)
     p = VerifyPolicy(mode="auto", cost=NEVER, probe_budget=0.5, probe_plan=False)   # the full-block probe
     p.observe_draft(1, 99.0)                       # the cold first pass, replaced by the second
     p.observe_draft(1, 10.0)                       # measured 10 ms: ceil(100 / 5) = 20
@@ -800,3 +800,16 @@ def test_a_plain_plan_is_held_while_only_cycle_costs_move():
     n = len(plans)
     p.update(1, 0)                                       # a verified draft: learned something
     assert not p.want_draft(1) and len(plans) == n + 1   # re-planned at once
+    # the probe spacing alike: recomputed at most every 32 cycles while only cycle costs move
+    gaps = []
+    import pyllama_dspark.speculative.probes as probes
+    orig_block = probes.probe_block
+    probes.probe_block = lambda *a: gaps.append(p._cycles) or orig_block(*a)
+    try:
+        for i in range(100):
+            p._budget_gap(1)
+            p.update(0, 0)
+            p.observe_cycle(1, 1, 10.0 if (i // 3) % 2 else 16.0)
+    finally:
+        probes.probe_block = orig_block
+    assert 3 <= len(gaps) <= 5 and all(b - a >= REPLAN_PLAIN_CYCLES for a, b in zip(gaps, gaps[1:]))

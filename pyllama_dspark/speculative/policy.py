@@ -58,7 +58,7 @@ EXPLORE_BAND = 0.15
 #: many cycles (a re-plan is ~0.4 ms of Python on a 2-core CPU, and jitter moved a plain cell every
 #: ~12 cycles: ~30 us a cycle of host work in a run that drafts nothing).  What the drafts were
 #: worth (acceptance, the draft pass, a probe's loss) re-plans at once, as before.
-REPLAN_PLAIN_CYCLES = 32
+REPLAN_PLAIN_CYCLES = probes.REPLAN_PLAIN_CYCLES
 
 
 @dataclass

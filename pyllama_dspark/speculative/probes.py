@@ -26,6 +26,9 @@ import numpy as np
 
 from pyllama_dspark.speculative.schedule import survival
 
+#: while only cycle costs move, the gap is recomputed at most once in this many cycles (as a plain
+#: plan: policy.REPLAN_PLAIN_CYCLES)
+REPLAN_PLAIN_CYCLES = 32
 #: a probe's measured loss is a running mean at this rate (a probe is rare: few samples)
 RATE = 0.3
 #: one probe counts at most this many times the running loss (a stall is not what a probe costs)
@@ -71,6 +74,9 @@ def budget_gap(p, n_requests: int) -> int:
     hit = p._gaps.get(r)
     if hit is not None and hit[0] == (p._version, cold, first):
         return hit[1]
+    learned = (p._version - p._cost_bumps, cold, first)
+    if hit is not None and hit[2] == learned and p._cycles - hit[3] < REPLAN_PLAIN_CYCLES:
+        return hit[1]   # only a cycle cost moved, and lately (as policy._pays_now)
     c = p.cost_for(r)
     draft = p.draft_estimate(r)
     planned = probe_block(p, r, p.gamma)
@@ -80,7 +86,7 @@ def budget_gap(p, n_requests: int) -> int:
     if got is not None:
         probe = max(probe, got[0])
     gap = int(np.ceil(max(0.0, probe) / (max(p.probe_budget, 1e-6) * max(c.t_verify(r), 1e-6))))
-    p._gaps[r] = ((p._version, cold, first), gap)
+    p._gaps[r] = ((p._version, cold, first), gap, learned, p._cycles)
     return gap
 
 
