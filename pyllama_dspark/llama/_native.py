@@ -129,6 +129,11 @@ target_n_captured = _proto("dspark_target_n_captured", c_int32, c_void_p)
 target_feature_width = _proto("dspark_target_feature_width", c_int32, c_void_p)
 # int32_t dspark_target_copy_features(const dspark_target * t, int32_t row0, int32_t n_rows, float * out);
 target_copy_features = _proto("dspark_target_copy_features", c_int32, c_void_p, c_int32, c_int32, _p_f32)
+# the same entry point, ``out`` as an address (a row inside a buffer the caller grows: no pointer
+# object to make per call)
+target_copy_features_at = lib["dspark_target_copy_features"]   # a second function object of the symbol
+target_copy_features_at.restype = c_int32
+target_copy_features_at.argtypes = [c_void_p, c_int32, c_int32, c_void_p]
 
 # int32_t dspark_argmax_rows(llama_context * ctx, int32_t i0, int32_t n, int32_t * ids, float * margin);
 argmax_rows = _proto("dspark_argmax_rows", c_int32, c_void_p, c_int32, c_int32, _p_i32, _p_f32)

@@ -348,6 +348,12 @@ class Target(_ModelCtx):
         out[-1] = 1
         return out
 
+    def copy_features_at(self, row0: int, n: int, address: int) -> None:
+        """:meth:`features` written at ``address``: n rows of ``feature_width`` float32 the caller
+        owns (a row of a buffer it grows), with no array or pointer object made per call."""
+        self._alive()
+        nat.check(nat.target_copy_features_at(self.handle, row0, n, address), "copy target features")
+
     def features(self, row0: int, n: int) -> np.ndarray:
         """Captured features of rows row0..row0+n-1 of the last decode: [n, n_layers*n_embd]."""
         self._alive()

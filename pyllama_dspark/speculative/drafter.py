@@ -61,35 +61,50 @@ DEFER_BYTES = int(float(os.environ.get("PYLLAMA_DSPARK_DEFER_MB", "64")) * (1 <<
 
 
 class _Deferred:
-    """Feature rows of one sequence captured but not yet injected: contiguous positions pos0.."""
+    """Feature rows of one sequence captured but not yet injected: contiguous positions pos0.., in
+    one buffer that grows (doubling) so that a cycle's row is copied straight into it."""
 
-    __slots__ = ("pos0", "rows", "n", "nbytes")
+    __slots__ = ("pos0", "buf", "n", "_base", "_row_bytes")
 
-    def __init__(self, pos0: int):
+    def __init__(self, pos0: int, width: int):
         self.pos0 = pos0
-        self.rows: List[np.ndarray] = []
         self.n = 0
-        self.nbytes = 0
+        self._row_bytes = 4 * int(width)
+        self._alloc(np.empty((64, width), dtype=np.float32))
+
+    def _alloc(self, buf: np.ndarray) -> None:
+        self.buf = buf
+        self._base = buf.ctypes.data
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self._row_bytes
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The kept rows, [n, width] (a view)."""
+        return self.buf[:self.n]
+
+    def _reserve(self, k: int) -> None:
+        if self.n + k > self.buf.shape[0]:
+            grown = np.empty((max(2 * self.buf.shape[0], self.n + k), self.buf.shape[1]), dtype=np.float32)
+            grown[:self.n] = self.buf[:self.n]
+            self._alloc(grown)
+
+    def add_captured(self, target, row0: int, k: int) -> None:
+        """Rows row0..row0+k-1 of the target's last decode, copied to the end of the buffer."""
+        self._reserve(k)
+        target.copy_features_at(row0, k, self._base + self.n * self._row_bytes)
+        self.n += k
 
     def add(self, rows: np.ndarray) -> None:
-        self.rows.append(rows)
+        self._reserve(rows.shape[0])
+        self.buf[self.n:self.n + rows.shape[0]] = rows
         self.n += rows.shape[0]
-        self.nbytes += rows.nbytes
 
     def truncate(self, p0: int) -> None:
         """Drop the rows at positions >= p0."""
-        keep = max(0, p0 - self.pos0)
-        if keep >= self.n:
-            return
-        out, left = [], keep
-        for r in self.rows:
-            if left <= 0:
-                break
-            out.append(r[:left])
-            left -= r.shape[0]
-        self.rows = out
-        self.n = keep
-        self.nbytes = sum(r.nbytes for r in out)
+        self.n = min(self.n, max(0, p0 - self.pos0))
 
 
 class Proposer:
@@ -188,8 +203,8 @@ class DraftModelProposer(Proposer):
             self.catch_up(seq_id)
             dq = None
         if dq is None:
-            dq = self._deferred[seq_id] = _Deferred(pos0)
-        dq.add(self.draft.target.features(row0, n))
+            dq = self._deferred[seq_id] = _Deferred(pos0, self.draft.target.feature_width)
+        dq.add_captured(self.draft.target, row0, n)
         if dq.nbytes > self.defer_bytes:
             self.catch_up(seq_id)
 
@@ -199,8 +214,7 @@ class DraftModelProposer(Proposer):
         if dq is None or dq.n == 0:
             return
         t0 = time.perf_counter()
-        rows = dq.rows[0] if len(dq.rows) == 1 else np.concatenate(dq.rows)
-        self.draft.inject(rows, np.arange(dq.pos0, dq.pos0 + dq.n, dtype=np.int32), seq_id)
+        self.draft.inject(dq.rows, np.arange(dq.pos0, dq.pos0 + dq.n, dtype=np.int32), seq_id)
         self.n_deferred_injections += 1
         self._catch_up_ms += (time.perf_counter() - t0) * 1e3
 
