@@ -25,7 +25,7 @@ def test_stats_record_by_hand():
 
 def test_stats_times_dict_and_summary():
     s = Stats(n_prompt=5, n_generated=10, ms_total=500.0, ms_draft=100.0, ms_verify=200.0, ms_inject=50.0,
-              ms_sample=25.0, ms_prefill=7.0)
+              ms_sample=25.0, ms_prefill=7.0, ms_llama=350.0)
     s.record(2, 1)
     s.record(2, 0)
     assert s.ms_overhead == 125.0 and s.tokens_per_second == 20.0
@@ -34,23 +34,28 @@ def test_stats_times_dict_and_summary():
     assert d == {"n_prompt": 5, "n_generated": 10, "drafted": 4, "accepted": 1, "tau": 1.5, "cycles": 2,
                  "near_ties": 0, "tokens_per_second": 20.0, "accept_per_position": [0.5, 0.0],
                  "ms": {"prefill": 7.0, "draft": 100.0, "verify": 200.0, "inject": 50.0, "sample": 25.0,
-                        "overhead": 125.0, "total": 500.0}}
+                        "overhead": 125.0, "total": 500.0, "llama": 350.0, "host": 150.0,
+                        "host_per_cycle": 75.0}}
+    s.ms_hidden = 12.5
+    assert s.as_dict()["ms"]["hidden"] == 12.5
+    s.ms_hidden = 0.0
     s.seed, s.schedule = 42, "auto: x"
     assert s.as_dict()["seed"] == 42 and s.as_dict()["schedule"] == "auto: x"
     s.seed = 0
     assert s.as_dict()["seed"] == 0
     assert s.summary() == ("prompt 5 tok, generated 10 tok in 500.0 ms (20.00 tok/s); cycles 2, drafted 4, "
                            "accepted 1, tau 1.500; per-position acceptance [0.50 0.00]; ms/cycle draft 50.00 "
-                           "verify 100.00 inject 25.00 sample 12.50 overhead 62.500")
+                           "verify 100.00 inject 25.00 sample 12.50 overhead 62.500, host 75.000")
     s2 = Stats(n_generated=3, ms_total=30.0)
     assert s2.summary() == ("prompt 0 tok, generated 3 tok in 30.0 ms (100.00 tok/s); cycles 0, drafted 0, "
                             "accepted 0, tau 0.000; per-position acceptance []; ms/cycle draft 0.00 verify 0.00 "
-                            "inject 0.00 overhead 30.000")
+                            "inject 0.00 overhead 30.000, host 30.000")
     f = Stats(ms_prefill=1.23456, ms_draft=2.34567, ms_verify=3.45678, ms_inject=0.11111, ms_sample=0.22222,
               ms_total=9.87654)
     f.record(3, 1)
     assert f.as_dict()["ms"] == {"prefill": 1.235, "draft": 2.346, "verify": 3.457, "inject": 0.111, "sample": 0.222,
-                                 "overhead": 3.741, "total": 9.877}
+                                 "overhead": 3.741, "total": 9.877, "llama": 0.0, "host": 9.877,
+                                 "host_per_cycle": 9.8765}
     assert f.as_dict()["accept_per_position"] == [1.0, 0.0, 0.0]
     g = Stats()
     g.record(3, 1)
