@@ -21,21 +21,7 @@ struct KScan : K<V> {
 
     // exp(x) for masses only: x clamped at -87.3 instead of a zero select (two operations less;
     // a -inf logit weighs 1.6e-38 there, nothing next to the max's 1)
-    static DSPARK_INLINE V exp_mass(V x) {
-        const V xc = x >= splat(kExpLo) ? x : splat(kExpLo);
-        const V n  = (xc * kLog2e + kRound) - kRound;
-        V       r  = xc - n * kLn2Hi;
-        r          = r - n * kLn2Lo;
-        V p = splat(kC6);
-        p = p * r + kC5;
-        p = p * r + kC4;
-        p = p * r + kC3;
-        p = p * r + kC2;
-        p = p * r + 1.0f;
-        p = p * r + 1.0f;
-        const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-        return p * (V) bits;
-    }
+    static DSPARK_INLINE V exp_mass(V x) { return exp_core(x >= splat(kExpLo) ? x : splat(kExpLo)); }
 
     // max of x[0..n-1] (NaN ignored; -inf when none is larger)
     static DSPARK_INLINE float vmax(const float * x, int64_t n) {

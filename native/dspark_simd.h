@@ -104,40 +104,39 @@ struct K {
         return a == ~uint64_t(0);
     }
 
+    // 2^n for a float n holding an integer in [-126, 127], from the exponent bits
+    static DSPARK_INLINE float pow2i(float n) {
+        const int32_t bits = ((int32_t) n + 127) << 23;
+        float         sc;
+        std::memcpy(&sc, &bits, sizeof(sc));
+        return sc;
+    }
+    static DSPARK_INLINE V pow2i(V n) { return (V) ((__builtin_convertvector(n, VI) + 127) << 23); }
+
+    // exp(xc) for xc in [kExpLo, 0]: the reduction, the polynomial and 2^n (T = V or float)
+    template <class T>
+    static DSPARK_INLINE T exp_core(T xc) {
+        const T n = (xc * kLog2e + kRound) - kRound;
+        T       r = xc - n * kLn2Hi;
+        r         = r - n * kLn2Lo;
+        T p = T{} + kC6;
+        p = p * r + kC5;
+        p = p * r + kC4;
+        p = p * r + kC3;
+        p = p * r + kC2;
+        p = p * r + 1.0f;
+        p = p * r + 1.0f;
+        return p * pow2i(n);
+    }
+
     template <class T>
     static DSPARK_INLINE T exp_neg(T x) {  // T = V or float
         if constexpr (std::is_same<T, float>::value) {
-            const bool  zero = !(x >= kExpLo);
-            const float xc   = zero ? 0.0f : x;
-            const float n    = (xc * kLog2e + kRound) - kRound;
-            float       r    = xc - n * kLn2Hi;
-            r                = r - n * kLn2Lo;
-            float p = kC6;
-            p = p * r + kC5;
-            p = p * r + kC4;
-            p = p * r + kC3;
-            p = p * r + kC2;
-            p = p * r + 1.0f;
-            p = p * r + 1.0f;
-            int32_t bits = ((int32_t) n + 127) << 23;
-            float   sc;
-            std::memcpy(&sc, &bits, sizeof(sc));
-            return zero ? 0.0f : p * sc;
+            const bool zero = !(x >= kExpLo);
+            return zero ? 0.0f : exp_core(zero ? 0.0f : x);
         } else {
             const VI zero = !(x >= splat(kExpLo));
-            const V  xc   = zero ? splat(0.0f) : x;
-            const V  n    = (xc * kLog2e + kRound) - kRound;
-            V        r    = xc - n * kLn2Hi;
-            r             = r - n * kLn2Lo;
-            V p = splat(kC6);
-            p = p * r + kC5;
-            p = p * r + kC4;
-            p = p * r + kC3;
-            p = p * r + kC2;
-            p = p * r + 1.0f;
-            p = p * r + 1.0f;
-            const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-            return zero ? splat(0.0f) : p * (V) bits;
+            return zero ? splat(0.0f) : exp_core(zero ? splat(0.0f) : x);
         }
     }
 
@@ -166,6 +165,7 @@ struct K {
     using B::lo_d;                                                                                      \
     using B::hi_d;                                                                                      \
     using B::widen_sum;                                                                                 \
+    using B::exp_core;                                                                                  \
     using B::load_d;                                                                                    \
     using B::store_d;                                                                                   \
     using B::any;                                                                                       \
