@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.integrations import openai_dicts as oai
 from pyllama_dspark.speculative.tool_chat import tool_chat_for
-from pyllama_dspark.speculative.tool_parse import ReplyDiffer, ReplyText, message_json
+from pyllama_dspark.speculative.tool_parse import ReplyText, message_json
 from pyllama_dspark.speculative.tool_request import (ToolPlan, check_tool_choice, check_tool_messages, check_tools,
                                                      plan_tools)
 
@@ -64,7 +64,7 @@ def tool_chat(target, plan: ToolPlan, run: Callable[[List[int], Any], Iterator],
     grammar = plan.compile(target)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     text = ReplyText(target.token_to_piece, target.is_eog, plan.special_ids(target), stops)
-    differ = ReplyDiffer(plan.fmt, plan.names, plan.lstrip) if plan.parses else None
+    differ = plan.differ()
     cid, created = f"chatcmpl-{uuid.uuid4()}", oai.now()
 
     def events():

@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from pyllama_dspark.decode.cycle import Done
 from pyllama_dspark.serve.oai_errors import RequestError
 from pyllama_dspark.speculative.tool_chat import tool_chat_for
-from pyllama_dspark.speculative.tool_parse import Reply, ReplyDiffer, ReplyText, message_json
+from pyllama_dspark.speculative.tool_parse import Reply, ReplyText, message_json
 from pyllama_dspark.speculative.tool_request import ToolPlan, ToolSchemaError, UnsupportedToolFormat, plan_tools
 
 __all__ = ["tool_prompt", "ToolReply", "render_prompt"]
@@ -60,7 +60,7 @@ class ToolReply:
     def __init__(self, plan: ToolPlan, target, stop: Sequence[str] = ()):
         self.plan = plan
         self.text = ReplyText(target.token_to_piece, target.is_eog, plan.special_ids(target), stop)
-        self.differ = ReplyDiffer(plan.fmt, plan.names, plan.lstrip) if plan.parses else None
+        self.differ = plan.differ()
 
     def deltas(self, tokens) -> List[dict]:
         """The ``delta`` objects of newly emitted tokens (content, reasoning, tool calls)."""

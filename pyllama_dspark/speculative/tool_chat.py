@@ -25,7 +25,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from llama_cpp import llama_chat_format as lcf
 from llama_cpp import llama_cpp as ll
@@ -110,9 +110,11 @@ class ToolChat:
         return self.format
 
     def render(self, messages: Sequence[dict], tools: Optional[Sequence[dict]], *,
-               template_kwargs: Optional[Dict[str, Any]] = None) -> _Rendered:
+               template_kwargs: Optional[Dict[str, Any]] = None,
+               adjust: Optional[Callable[[List[dict]], List[dict]]] = None) -> _Rendered:
         """The prompt text for ``messages`` (OpenAI dicts, already checked) with ``tools`` (None or
-        empty: none); ValueError when the template refuses the conversation."""
+        empty: none); ``adjust``: the format's rewrite of the normalised messages (:mod:`.tool_codecs`);
+        ValueError when the template refuses the conversation."""
         fmt = self.check() if tools else self.format
         if fmt is not None and fmt.system_tools:
             return self._render_generic(messages, tools)
@@ -128,6 +130,8 @@ class ToolChat:
             first = msgs.pop(0)
             if msgs:
                 msgs[0]["content"] = first["content"] + "\n" + msgs[0]["content"]
+        if adjust is not None:
+            msgs = adjust(msgs)
         try:
             text = self._render_raw(msgs, tools=normalize_tools(tools) if tools else None, **(template_kwargs or {}))
         except Exception as e:   # the template's raise_exception (a ValueError) or a Jinja error

@@ -54,6 +54,9 @@ class ToolFormat:
     trigger_at_start: bool = False      # ... only at the start of the reply (llama3)
     think: Optional[Tuple[str, str]] = None   # reasoning block tags (a template that has them)
     system_tools: bool = False          # generic: we describe the tools in a system message
+    codec: str = ""                     # calls that are not one JSON object each (Gemma 4, GPT-OSS):
+                                        # the module of :mod:`.tool_codecs` that builds and parses them
+    markers: Tuple[str, ...] = ()       # more text the reply shows though it is control tokens
 
     @property
     def first_marker(self) -> str:

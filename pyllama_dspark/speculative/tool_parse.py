@@ -279,8 +279,11 @@ class ReplyDiffer:
     new calls with their id and name).  A call's id is the model's own where the format has one
     (Mistral: such a call is sent once its object is closed, id and all), else drawn once per index."""
 
-    def __init__(self, fmt: ToolFormat, names: Optional[Iterable[str]] = None, lstrip: bool = True):
+    def __init__(self, fmt: ToolFormat, names: Optional[Iterable[str]] = None, lstrip: bool = True,
+                 parse: Optional[Callable[..., Reply]] = None):
+        """``parse``: the format's parser, :func:`parse_reply`'s signature (default: parse_reply)."""
         self.fmt = fmt
+        self._parse = parse or parse_reply
         self.names = None if names is None else list(names)
         self.lstrip = lstrip
         self.prev = Reply()
@@ -294,7 +297,7 @@ class ReplyDiffer:
         return self.ids[i]
 
     def update(self, text: str, final: bool = False) -> Tuple[Reply, List[dict]]:
-        new = parse_reply(text, self.fmt, self.names, partial=not final, lstrip=self.lstrip)
+        new = self._parse(text, self.fmt, self.names, partial=not final, lstrip=self.lstrip)
         if self.fmt.id_key and not final and new.calls and not new.calls[-1].complete:
             new.calls = new.calls[:-1]     # its id may still come
         deltas: List[dict] = []

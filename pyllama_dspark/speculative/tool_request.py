@@ -13,9 +13,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from pyllama_dspark.speculative import tool_codecs
 from pyllama_dspark.speculative.tool_chat import ToolChat
 from pyllama_dspark.speculative.tool_formats import ToolFormat, UnsupportedToolFormat
-from pyllama_dspark.speculative.tool_grammar import ToolGrammar, ToolSchemaError, tool_grammar
+from pyllama_dspark.speculative.tool_grammar import ToolGrammar, ToolSchemaError
+from pyllama_dspark.speculative.tool_parse import ReplyDiffer
 
 __all__ = ["ToolPlan", "check_tools", "check_tool_choice", "check_tool_messages", "plan_tools",
            "UnsupportedToolFormat", "ToolSchemaError"]
@@ -183,6 +185,12 @@ class ToolPlan:
         return LazyGrammar.compile(g.gbnf, target, words=words, tokens=tokens, at_start=g.at_start,
                                    think=self.fmt.think)
 
+    def differ(self) -> Optional[ReplyDiffer]:
+        """The reply's parser as a stream of deltas (None: the reply is not parsed)."""
+        if not self.parses:
+            return None
+        return ReplyDiffer(self.fmt, self.names, self.lstrip, parse=tool_codecs.parser(self.fmt))
+
     def special_ids(self, target) -> List[int]:
         """Tokens of the format's markers, rendered in the reply's text even when they are control
         tokens (llama-server's preserved tokens)."""
@@ -190,7 +198,7 @@ class ToolPlan:
         if f is None:
             return []
         out: set = set()
-        for text in (f.call_open, f.call_close, f.section_open) + (f.think or ()):
+        for text in (f.call_open, f.call_close, f.section_open) + (f.think or ()) + f.markers:
             if text.strip():
                 out.update(target.tokenize(text.strip(), False, True))
         return sorted(out)
@@ -202,8 +210,8 @@ def plan_tools(chat: ToolChat, messages: Sequence[dict], tools: Sequence[dict], 
     fmt = chat.check() if tools else chat.format
     if parallel is None:   # llama-server's default: what the template can render
         parallel = chat.caps.supports_parallel_tool_calls or (fmt is not None and fmt.system_tools)
-    r = chat.render(messages, tools, template_kwargs=template_kwargs)
+    r = chat.render(messages, tools, template_kwargs=template_kwargs, adjust=tool_codecs.adjust_messages(fmt))
     closed = fmt is not None and fmt.think is not None and r.prompt.rstrip().endswith(fmt.think[1])
-    grammar = tool_grammar(fmt, tools, choice, bool(parallel), not closed) if fmt is not None and tools else None
+    grammar = tool_codecs.grammar(fmt, tools, choice, bool(parallel), not closed) if fmt is not None and tools else None
     return ToolPlan(fmt, r.prompt, r.added_special, grammar, [t["function"]["name"] for t in tools], choice,
                     bool(parallel), closed)

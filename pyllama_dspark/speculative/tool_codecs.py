@@ -1,0 +1,55 @@
+"""Tool-call formats whose calls are not one JSON object each, behind one interface.
+
+Most formats (:mod:`.tool_formats`: Hermes / Qwen, Llama 3.x, Mistral, generic) write each call as a
+JSON object ``{"name": ..., "arguments": {...}}`` between fixed markers, and :mod:`.tool_grammar` /
+:mod:`.tool_parse` build and read them all.  A format whose calls look otherwise (Gemma 4's
+``call:name{key:<|"|>value<|"|>}``, GPT-OSS's harmony channels with the name in the header) names a
+*codec* (``ToolFormat.codec``): a module with
+
+* ``grammar(fmt, tools, choice, parallel, think) -> Optional[ToolGrammar]``: as
+  :func:`.tool_grammar.tool_grammar`;
+* ``parse(text, fmt, names=None, *, partial=False, lstrip=True) -> Reply``: as
+  :func:`.tool_parse.parse_reply`;
+* ``adjust_messages(messages) -> messages`` (optional): the conversation as the format's template
+  wants it, after :mod:`.tool_chat`'s normalisation (GPT-OSS: ``reasoning_content`` -> ``thinking``).
+
+One implementation per format behind one interface, as llama.cpp's ``common/parsers/*.cpp``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from pyllama_dspark.speculative.tool_formats import ToolFormat
+from pyllama_dspark.speculative.tool_grammar import ToolGrammar, tool_grammar
+from pyllama_dspark.speculative.tool_parse import Reply, parse_reply
+
+__all__ = ["CODECS", "grammar", "parser", "adjust_messages"]
+
+CODECS: Dict[str, ModuleType] = {}
+
+
+def _codec(fmt: Optional[ToolFormat]) -> Optional[ModuleType]:
+    if fmt is None or not fmt.codec:
+        return None
+    return CODECS[fmt.codec]
+
+
+def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
+            think: bool = True) -> Optional[ToolGrammar]:
+    """The request's grammar in ``fmt`` (:func:`.tool_grammar.tool_grammar`'s contract)."""
+    c = _codec(fmt)
+    return (c.grammar if c is not None else tool_grammar)(fmt, tools, choice, parallel, think)
+
+
+def parser(fmt: Optional[ToolFormat]) -> Callable[..., Reply]:
+    """The reply parser of ``fmt`` (:func:`.tool_parse.parse_reply`'s contract)."""
+    c = _codec(fmt)
+    return c.parse if c is not None else parse_reply
+
+
+def adjust_messages(fmt: Optional[ToolFormat]) -> Optional[Callable[[List[dict]], List[dict]]]:
+    """The format's rewrite of the normalised conversation before rendering, or None."""
+    c = _codec(fmt)
+    return getattr(c, "adjust_messages", None) if c is not None else None
