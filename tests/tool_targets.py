@@ -38,6 +38,9 @@ TARGETS: Dict[str, ToolTarget] = {t.name: t for t in (
     ToolTarget("mistral", "llama", "mistralai-Mistral-Nemo-Instruct-2407.jinja",
                ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                 "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), "<s>", "</s>", "[TOOL_CALLS]"),
+    ToolTarget("gptoss", "gpt-oss", "openai-gpt-oss-120b.jinja",
+               ("<|startoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+                "<|message|>", "<|call|>"), "<|startoftext|>", "<|return|>", "<|channel|>"),
 )}
 
 

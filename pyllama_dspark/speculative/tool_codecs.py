@@ -21,6 +21,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from pyllama_dspark.speculative import tool_harmony
 from pyllama_dspark.speculative.tool_formats import ToolFormat
 from pyllama_dspark.speculative.tool_grammar import ToolGrammar, tool_grammar
 from pyllama_dspark.speculative.tool_parse import Reply, parse_reply
@@ -28,6 +29,7 @@ from pyllama_dspark.speculative.tool_parse import Reply, parse_reply
 __all__ = ["CODECS", "grammar", "parser", "adjust_messages"]
 
 CODECS: Dict[str, ModuleType] = {}
+CODECS["harmony"] = tool_harmony        # GPT-OSS
 
 
 def _codec(fmt: Optional[ToolFormat]) -> Optional[ModuleType]:

@@ -18,7 +18,9 @@ Formats built here (:data:`FORMATS`):
 * ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "<9 alphanumerics>"}, ...]``
   (Mistral Nemo, Mistral 7B v0.3);
 * ``generic``: a template with no tool syntax of its own (SmolLM2): the tools are described in a
-  system message we add and the reply is asked for in the ``hermes`` form.
+  system message we add and the reply is asked for in the ``hermes`` form;
+* ``harmony``: GPT-OSS's channels, ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``
+  (:mod:`.tool_harmony`), one call per reply, the analysis channel as reasoning.
 
 Every other template that renders tools is refused with :class:`UnsupportedToolFormat`, whose
 message names the format (never a silent fallback to plain text).
@@ -76,12 +78,18 @@ _GENERIC = ToolFormat("generic", "generic (tools described in a system message, 
                       system_tools=True)
 FORMATS: Dict[str, ToolFormat] = {f.name: f for f in (_HERMES, _LLAMA3, _MISTRAL, _GENERIC)}
 SUPPORTED = "Hermes / Qwen <tool_call> JSON (Qwen 2.5, QwQ, Qwen3, Hermes 2 Pro / 3), Llama 3.x JSON, " \
-            "Mistral [TOOL_CALLS] JSON (Nemo, 7B v0.3), and templates with no tool syntax (generic form)"
+            "Mistral [TOOL_CALLS] JSON (Nemo, 7B v0.3), GPT-OSS (harmony), and templates with no tool syntax (generic form)"
+
+# GPT-OSS: harmony channels, the call's name in a header and its arguments after <|message|>
+# (:mod:`.tool_harmony`); the analysis channel is reasoning
+_HARMONY = ToolFormat("harmony", "GPT-OSS harmony channels", "", "", "", "arguments",
+                      think=("<|channel|>analysis<|message|>", "<|end|>"), codec="harmony",
+                      markers=("<|channel|>", "<|constrain|>", "<|message|>", "<|start|>", "<|end|>"))
+FORMATS[_HARMONY.name] = _HARMONY
 
 # markers of formats llama.cpp handles that we do not build (source markers, as chat.cpp's
 # common_chat_try_specialized_template looks for them): (needles that must all be present, name)
 _UNSUPPORTED: List[Tuple[Tuple[str, ...], str]] = [
-    (("<|channel|>",), "GPT-OSS (harmony channels)"),
     (("<|tool_call>call:",), "Gemma 4"),
     (("[TOOL_CALLS]", "[ARGS]"), "Mistral [TOOL_CALLS]name[ARGS] (Magistral / Devstral / Mistral Small 3.2)"),
     (("<tool_call>", "<function=", "<parameter="), "Qwen3-Coder XML"),
@@ -184,6 +192,8 @@ def _call_at(rendering: str, pos: int, fmt: ToolFormat) -> bool:
 def detect_format(source: str, caps: TemplateCaps) -> ToolFormat:
     """The :class:`ToolFormat` of a template (its source and :func:`probe_caps`), ``generic`` when
     it has no tool syntax; :class:`UnsupportedToolFormat` for a tool format not built here."""
+    if "<|channel|>" in source:             # chat.cpp's test for GPT-OSS
+        return _HARMONY
     for needles, name in _UNSUPPORTED:
         if all(n in source for n in needles):
             raise UnsupportedToolFormat(f"this model's chat template uses the {name} tool-call format, which "
