@@ -405,13 +405,13 @@ def test_bad_tool_input_is_a_400_and_the_server_keeps_serving(servers, extra, ms
 def test_a_format_we_do_not_build_is_a_400_that_names_it(tmp_path):
     from pyllama_dspark.gguf.target_writer import make_test_target
 
-    path = tmp_path / "gemma4-template.gguf"
+    path = tmp_path / "kimi-k2-template.gguf"
     make_test_target(path, "qwen3", n_vocab=tt.N_VOCAB, seed=2, vocab_type="f32",
-                     tokenizer_extra=dict(chat_template=tt.template_text("google-gemma-4-31B-it.jinja")))
+                     tokenizer_extra=dict(chat_template=tt.template_text("moonshotai-Kimi-K2.jinja")))
     srv = ServeProcess(str(path), None, tmp_path / "serve.log", n_ctx=2048)
     try:
         r = _post(srv, "/v1/chat/completions", {"messages": USER, "tools": [WEATHER], "max_tokens": 4})
-        assert r.status_code == 400 and "Gemma 4" in r.json()["error"]["message"], r.text
+        assert r.status_code == 400 and "Kimi K2" in r.json()["error"]["message"], r.text
         assert _post(srv, "/v1/chat/completions", {"messages": USER, "max_tokens": 2}).status_code == 200
     finally:
         srv.stop()

@@ -46,7 +46,8 @@ EXPECTED = {
     "meta-llama-Llama-3.3-70B-Instruct.jinja": "llama3",
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral",
     "google-gemma-2-2b-it.jinja": "generic",
-    "google-gemma-4-31B-it.jinja": "Gemma 4", "openai-gpt-oss-120b.jinja": "harmony",
+    "google-gemma-4-31B-it.jinja": "gemma4", "google-gemma-4-31B-it-interleaved.jinja": "gemma4",
+    "openai-gpt-oss-120b.jinja": "harmony",
     "unsloth-mistral-Devstral-Small-2507.jinja": "[ARGS]", "Mistral-Small-3.2-24B-Instruct-2506.jinja": "[ARGS]",
     "Qwen3-Coder.jinja": "Qwen3-Coder", "moonshotai-Kimi-K2.jinja": "Kimi", "GLM-4.6.jinja": "GLM",
 }

@@ -41,6 +41,11 @@ TARGETS: Dict[str, ToolTarget] = {t.name: t for t in (
     ToolTarget("gptoss", "gpt-oss", "openai-gpt-oss-120b.jinja",
                ("<|startoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
                 "<|message|>", "<|call|>"), "<|startoftext|>", "<|return|>", "<|channel|>"),
+    ToolTarget("gemma4", "gemma4", "google-gemma-4-31B-it.jinja",
+               ("<bos>", "<eos>", "<|turn>", "<turn|>", ("<|tool_call>", "user"), ("<tool_call|>", "user"),
+                ('<|"|>', "user"), ("<|channel>", "user"), ("<channel|>", "user"), "<|tool>", "<tool|>",
+                ("<|tool_response>", "user"), ("<tool_response|>", "user"), "<|think|>"),
+               "<bos>", "<turn|>", "<|tool_call>"),
 )}
 
 

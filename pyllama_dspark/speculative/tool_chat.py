@@ -101,6 +101,7 @@ class ToolChat:
         now = datetime.now()
         kw.setdefault("date_string", now.strftime("%d %b %Y"))
         kw.setdefault("datetime", now.strftime("%b %d %Y"))
+        kw.setdefault("enable_thinking", True)   # llama.cpp always passes it (Gemma 4 tests "is defined")
         return self._jinja(messages=messages, tools=tools, **kw).prompt
 
     def check(self) -> ToolFormat:

@@ -21,14 +21,15 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from pyllama_dspark.speculative import tool_gemma4
 from pyllama_dspark.speculative import tool_harmony
 from pyllama_dspark.speculative.tool_formats import ToolFormat
 from pyllama_dspark.speculative.tool_grammar import ToolGrammar, tool_grammar
 from pyllama_dspark.speculative.tool_parse import Reply, parse_reply
 
-__all__ = ["CODECS", "grammar", "parser", "adjust_messages"]
+__all__ = ["CODECS", "grammar", "parser", "adjust_messages", "adjust_prompt"]
 
-CODECS: Dict[str, ModuleType] = {}
+CODECS: Dict[str, Any] = {"gemma4": tool_gemma4, "gemma4_legacy": tool_gemma4.LEGACY}
 CODECS["harmony"] = tool_harmony        # GPT-OSS
 
 
@@ -55,3 +56,9 @@ def adjust_messages(fmt: Optional[ToolFormat]) -> Optional[Callable[[List[dict]]
     """The format's rewrite of the normalised conversation before rendering, or None."""
     c = _codec(fmt)
     return getattr(c, "adjust_messages", None) if c is not None else None
+
+
+def adjust_prompt(fmt: Optional[ToolFormat]) -> Optional[Callable[[str], str]]:
+    """The format's fix-up of the rendered prompt (llama.cpp's, after the template), or None."""
+    c = _codec(fmt)
+    return getattr(c, "adjust_prompt", None) if c is not None else None

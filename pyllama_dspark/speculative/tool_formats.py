@@ -76,9 +76,14 @@ _MISTRAL = ToolFormat("mistral", "Mistral [TOOL_CALLS] JSON array", "", "", ", "
 _GENERIC = ToolFormat("generic", "generic (tools described in a system message, <tool_call> JSON replies)",
                       "<tool_call>\n", "\n</tool_call>", "\n", "arguments", trigger="<tool_call>",
                       system_tools=True)
-FORMATS: Dict[str, ToolFormat] = {f.name: f for f in (_HERMES, _LLAMA3, _MISTRAL, _GENERIC)}
+# Gemma 4: call:name{key:<|"|>value<|"|>} (:mod:`.tool_gemma4`); a template without llama.cpp's
+# "OpenAI Chat Completions" branch wants tool results folded into the assistant turn (gemma4_legacy)
+_GEMMA4 = ToolFormat("gemma4", "Gemma 4 <|tool_call>call:name{...}", "<|tool_call>", "<tool_call|>", "", "arguments",
+                     trigger="<|tool_call>", think=("<|channel>thought", "<channel|>"), codec="gemma4",
+                     markers=("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|turn>", '<|"|>'))
+FORMATS: Dict[str, ToolFormat] = {f.name: f for f in (_HERMES, _LLAMA3, _MISTRAL, _GENERIC, _GEMMA4)}
 SUPPORTED = "Hermes / Qwen <tool_call> JSON (Qwen 2.5, QwQ, Qwen3, Hermes 2 Pro / 3), Llama 3.x JSON, " \
-            "Mistral [TOOL_CALLS] JSON (Nemo, 7B v0.3), GPT-OSS (harmony), and templates with no tool syntax (generic form)"
+            "Mistral [TOOL_CALLS] JSON (Nemo, 7B v0.3), Gemma 4, GPT-OSS (harmony), and templates with no tool syntax (generic form)"
 
 # GPT-OSS: harmony channels, the call's name in a header and its arguments after <|message|>
 # (:mod:`.tool_harmony`); the analysis channel is reasoning
@@ -90,7 +95,6 @@ FORMATS[_HARMONY.name] = _HARMONY
 # markers of formats llama.cpp handles that we do not build (source markers, as chat.cpp's
 # common_chat_try_specialized_template looks for them): (needles that must all be present, name)
 _UNSUPPORTED: List[Tuple[Tuple[str, ...], str]] = [
-    (("<|tool_call>call:",), "Gemma 4"),
     (("[TOOL_CALLS]", "[ARGS]"), "Mistral [TOOL_CALLS]name[ARGS] (Magistral / Devstral / Mistral Small 3.2)"),
     (("<tool_call>", "<function=", "<parameter="), "Qwen3-Coder XML"),
     (("<|tool_calls_section_begin|>",), "Kimi K2"),
@@ -147,7 +151,8 @@ def probe_caps(render: Render) -> TemplateCaps:
     supports_tools = with_tools is not None and "tool1" in with_tools and "tool1" not in base
     obj = _try(render, _probe_messages({"arg": "value"}), tools=_PROBE_TOOLS)
     s = _try(render, _probe_messages('{"arg": "value"}'), tools=_PROBE_TOOLS)
-    supports_obj = obj is not None and '"value"' in obj and "'value'" not in obj
+    # an object rendered as JSON, or in a syntax of the template's own (Gemma 4: arg:<|"|>value<|"|>)
+    supports_obj = obj is not None and "'value'" not in obj and ('"value"' in obj or (obj != s and "value" in obj))
     rendered = obj if supports_obj else s
     n_tools = (with_tools or "").count("tool1")
     calls = rendered is not None and rendered.count("tool1") > n_tools
@@ -194,6 +199,9 @@ def detect_format(source: str, caps: TemplateCaps) -> ToolFormat:
     it has no tool syntax; :class:`UnsupportedToolFormat` for a tool format not built here."""
     if "<|channel|>" in source:             # chat.cpp's test for GPT-OSS
         return _HARMONY
+    if "'<|tool_call>call:'" in source:     # chat.cpp's test
+        legacy = "{#- OpenAI Chat Completions:" not in source
+        return ToolFormat(**{**_GEMMA4.__dict__, "codec": "gemma4_legacy"}) if legacy else _GEMMA4
     for needles, name in _UNSUPPORTED:
         if all(n in source for n in needles):
             raise UnsupportedToolFormat(f"this model's chat template uses the {name} tool-call format, which "

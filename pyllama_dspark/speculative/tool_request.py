@@ -211,6 +211,9 @@ def plan_tools(chat: ToolChat, messages: Sequence[dict], tools: Sequence[dict], 
     if parallel is None:   # llama-server's default: what the template can render
         parallel = chat.caps.supports_parallel_tool_calls or (fmt is not None and fmt.system_tools)
     r = chat.render(messages, tools, template_kwargs=template_kwargs, adjust=tool_codecs.adjust_messages(fmt))
+    fix = tool_codecs.adjust_prompt(fmt)
+    if fix is not None:
+        r.prompt = fix(r.prompt)
     closed = fmt is not None and fmt.think is not None and r.prompt.rstrip().endswith(fmt.think[1])
     grammar = tool_codecs.grammar(fmt, tools, choice, bool(parallel), not closed) if fmt is not None and tools else None
     return ToolPlan(fmt, r.prompt, r.added_special, grammar, [t["function"]["name"] for t in tools], choice,
