@@ -149,7 +149,8 @@ def test_the_templates_own_calls_are_in_our_grammar_and_parse_back(sp):
 @pytest.mark.parametrize("params,msg", [
     ({"type": "object", "properties": {"a:b": {"type": "string"}}}, "cannot be written"),
     ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}]}}}, "allOf"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, "pattern"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
+    ({"type": "object", "properties": {"a": {"type": "array", "minItems": 1000}}}, "minItems"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}, "unresolved"),
     ({"type": "string"}, "must be an object"),
 ])
@@ -182,6 +183,42 @@ def test_partial_parses_stream_to_the_final_parse():
     assert [args[i] for i in sorted(args)] == [c.arguments for c in final.calls]
     assert json.loads(final.calls[0].arguments) == {"text": 'a "q"\n', "count": -12, "meta": {"v": None},
                                                     "tags": ["a", "b"], "flag": True}
+
+
+def test_any_text_parses_and_streams_without_error():
+    """Where no grammar ran the text is arbitrary: any text parses in any cut, the streamed deltas
+    reassemble to the stream's last message, and that is the text's parse unless a call already sent
+    turned out not to be one."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    fmt = ToolChat(tt.template_text("google-gemma-4-31B-it.jinja"), "<bos>", "<turn|>").format
+    pieces = st.sampled_from(["<|tool_call>call:", "note", "nope", "{", "}", Q, "x", ":", ",", "[", "]", " ", "\n",
+                              "1", "-", ".", "e", "true", "nul", "<tool_call|>", "<|channel>", "thought", "<channel|>",
+                              '"', "\\", "<|", f"<|tool_call>call:note{{text:{Q}a{Q},flag:true}}<tool_call|>"])
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(pieces, max_size=30), st.integers(1, 5))
+    def check(parts, step):
+        text = "".join(parts)
+        final = tool_gemma4.parse(text, fmt, ["note"])
+        d = ReplyDiffer(fmt, ["note"], parse=tool_gemma4.parse)
+        got = {"content": "", "reasoning_content": ""}
+        args: dict = {}
+        for k in list(range(step, len(text), step)) + [len(text)]:
+            for delta in d.update(text[:k], final=k == len(text))[1]:
+                for key in got:
+                    got[key] += delta.get(key, "")
+                for tc in delta.get("tool_calls", []):
+                    args[tc["index"]] = args.get(tc["index"], "") + tc.get("function", {}).get("arguments", "")
+        last = d.prev
+        assert got == {"content": last.content, "reasoning_content": last.reasoning}, text
+        assert [args[i] for i in sorted(args)] == [c.arguments for c in last.calls], text
+        if len(final.calls) >= len(args):
+            assert (last.content, last.reasoning, [(c.name, c.arguments) for c in last.calls]) == \
+                (final.content, final.reasoning, [(c.name, c.arguments) for c in final.calls]), text
+
+    check()
 
 
 # ---- the prompt --------------------------------------------------------------------------------------
@@ -374,3 +411,14 @@ def test_streamed_chunks_reassemble_to_the_call_and_the_conversation_goes_on(ser
     assert second.status_code == 200, second.text
     msg2 = second.json()["choices"][0]["message"]
     assert msg2.get("tool_calls") and msg2["tool_calls"][0]["id"] != call["id"], second.text
+
+
+def test_a_schema_gemma_cannot_write_is_a_400_and_the_server_keeps_serving(servers):
+    srv = servers("plain")
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"a:b": {"type": "string"}}}}}
+    r = _post(srv, "/v1/chat/completions", {"messages": USER, "tools": [odd], "max_tokens": 4})
+    assert r.status_code == 400 and "'odd'" in r.json()["error"]["message"], r.text
+    ok = _post(srv, "/v1/chat/completions", {"messages": USER, "tools": [WEATHER], "max_tokens": 2,
+                                             "chat_template_kwargs": OFF})
+    assert ok.status_code == 200 and srv.get("/health").status_code == 200

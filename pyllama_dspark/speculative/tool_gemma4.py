@@ -30,7 +30,7 @@ from pyllama_dspark.speculative.tool_formats import ToolFormat
 from pyllama_dspark.speculative.tool_grammar import ToolGrammar, ToolSchemaError, until_rules
 from pyllama_dspark.speculative.tool_parse import Reply, ToolCall, _held_back
 
-__all__ = ["grammar", "parse", "adjust_messages", "adjust_prompt", "LEGACY", "CALL_OPEN", "CALL_CLOSE", "QUOTE"]
+__all__ = ["grammar", "parse", "adjust_prompt", "LEGACY", "CALL_OPEN", "CALL_CLOSE", "QUOTE"]
 
 CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 CH_OPEN, CH_CLOSE, THOUGHT = "<|channel>", "<channel|>", "<|channel>thought"
@@ -83,7 +83,9 @@ def _key(k: str, where: str) -> str:
     return k
 
 
-_REFUSED = ("allOf", "not", "if", "then", "else", "pattern", "patternProperties", "prefixItems", "dependentSchemas")
+# what the grammar cannot say; a string's pattern / format / length are not kept (any string)
+_REFUSED = ("allOf", "not", "if", "then", "else", "patternProperties", "prefixItems", "dependentSchemas")
+_MAX_REPEAT = 64     # maxItems above this is not kept (GBNF repetitions expand into rules)
 
 
 class _Gen:
@@ -174,7 +176,9 @@ class _Gen:
     def _array(self, s: dict, depth: int) -> str:
         item = self.value(s.get("items", True), depth + 1)
         lo, hi = int(s.get("minItems", 0)), s.get("maxItems")
-        hi = None if hi is None else int(hi)
+        hi = None if hi is None or int(hi) > _MAX_REPEAT else int(hi)
+        if lo > _MAX_REPEAT:
+            raise self.err(f"minItems above {_MAX_REPEAT}")
         if hi is not None and hi < lo:
             raise self.err("maxItems < minItems")
         if hi == 0:
