@@ -422,3 +422,25 @@ def test_a_schema_gemma_cannot_write_is_a_400_and_the_server_keeps_serving(serve
     ok = _post(srv, "/v1/chat/completions", {"messages": USER, "tools": [WEATHER], "max_tokens": 2,
                                              "chat_template_kwargs": OFF})
     assert ok.status_code == 200 and srv.get("/health").status_code == 200
+
+
+def test_dspark_python_api_gives_serves_calls(servers, files):
+    from pyllama_dspark.integrations.dspark import DSpark
+
+    target, draft, _ = files
+    kw = dict(tools=[WEATHER], tool_choice="required", max_tokens=N, temperature=0, parallel_tool_calls=False,
+              chat_template_kwargs=OFF)
+    theirs = _post(servers("draft"), "/v1/chat/completions", {"messages": USER, **kw}).json()["choices"][0]
+    with DSpark(target, draft, n_ctx=2048, n_threads=TEST_THREADS, schedule="off") as ds:
+        ours = ds.create_chat_completion(USER, **kw)["choices"][0]
+        streamed = {}
+        for ch in ds.create_chat_completion(USER, stream=True, **kw):
+            for tc in ch["choices"][0]["delta"].get("tool_calls", []):
+                e = streamed.setdefault(tc["index"], ["", ""])
+                e[0] += tc.get("function", {}).get("name", "")
+                e[1] += tc.get("function", {}).get("arguments", "")
+    assert (ours["finish_reason"], _strip_ids(ours["message"])) == (theirs["finish_reason"],
+                                                                    _strip_ids(theirs["message"]))
+    assert ours["finish_reason"] == "tool_calls"
+    assert [tuple(e) for e in streamed.values()] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in ours["message"]["tool_calls"]]
