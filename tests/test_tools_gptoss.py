@@ -356,3 +356,61 @@ def test_a_conversation_the_template_refuses_is_a_400(serve):
         r = _post(serve, "/v1/chat/completions", {"messages": messages, "tools": TOOLS, "max_tokens": 2})
         assert r.status_code == 400, r.text
     assert _post(serve, "/v1/chat/completions", {"messages": USER, "tools": TOOLS, "max_tokens": 2}).status_code == 200
+
+
+def test_dspark_gives_serves_call_and_streams_it(files, serve, sp):
+    """The Python API (``DSpark.create_chat_completion``, with the draft) ends in serve's message."""
+    from pyllama_dspark.integrations.dspark import DSpark
+
+    target, draft, _ = files
+    bias = {_tok(sp, "<|channel|>"): 30.0, _tok(sp, " to"): 20.0, _tok(sp, "<|message|>"): 10.0}
+    kw = dict(tools=TOOLS, tool_choice=REQUIRED, max_tokens=N, temperature=0)
+    theirs = _post(serve, "/v1/chat/completions", {"messages": USER, **kw,
+                                                    "logit_bias": [[t, b] for t, b in bias.items()]})
+    with DSpark(target, draft, n_ctx=2048, n_threads=TEST_THREADS, schedule="off") as ds:
+        ours = ds.create_chat_completion(USER, logit_bias=bias, **kw)["choices"][0]
+        chunks = list(ds.create_chat_completion(USER, logit_bias=bias, stream=True, **kw))
+    want = theirs.json()["choices"][0]
+    assert _no_ids(ours["message"]) == _no_ids(want["message"]) and ours["finish_reason"] == want["finish_reason"]
+    args = "".join(tc.get("function", {}).get("arguments", "") for ch in chunks
+                   for tc in ch["choices"][0]["delta"].get("tool_calls", []))
+    assert ours["message"]["tool_calls"] and args == ours["message"]["tool_calls"][0]["function"]["arguments"]
+
+
+def test_any_text_parses_and_streams_without_error():
+    """Model output is arbitrary where no grammar ran: any text parses, in any cut, and the streamed
+    deltas reassemble to the stream's last message, which is the text's parse unless the text turned
+    out not to fit (then the whole text is content: a stream cannot take back what it sent)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from pyllama_dspark.speculative.tool_parse import ReplyDiffer
+
+    fmt = FORMATS["harmony"]
+    pieces = st.sampled_from(["<|start|>assistant", "<|channel|>", "analysis", "commentary", "final", "<|message|>",
+                              "<|end|>", " to=functions.ping", " to=functions.pong", " to=assistant", " json",
+                              "<|constrain|>", "{}", "{", "}", '"a"', ":", "1", "[", " ", "x", "\\", '"', "<|en",
+                              "<|channel|>commentary to=functions.ping <|constrain|>json<|message|>{}",
+                              A + "r<|end|><|start|>assistant", "<|channel|>final<|message|>done"])
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(pieces, max_size=24), st.integers(1, 7))
+    def check(parts, step):
+        text = "".join(parts)
+        final = tool_harmony.parse(text, fmt, ["ping"])
+        d = ReplyDiffer(fmt, ["ping"], parse=tool_harmony.parse)
+        content, reasoning, args = "", "", {}
+        for k in list(range(step, len(text), step)) + [len(text)]:
+            for delta in d.update(text[:k], final=k == len(text))[1]:
+                content += delta.get("content", "")
+                reasoning += delta.get("reasoning_content", "")
+                for tc in delta.get("tool_calls", []):
+                    args[tc["index"]] = args.get(tc["index"], "") + tc.get("function", {}).get("arguments", "")
+        last = d.prev
+        assert len(last.calls) <= 1 and sorted(args) == list(range(len(last.calls))), (text, args)
+        assert [args[i] for i in range(len(last.calls))] == [c.arguments for c in last.calls], text
+        if final.content != text:      # the text fit: the stream is its parse
+            assert (content, reasoning, [(c.name, c.arguments) for c in last.calls]) == \
+                (final.content, final.reasoning, [(c.name, c.arguments) for c in final.calls]), text
+
+    check()

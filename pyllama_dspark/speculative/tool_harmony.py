@@ -380,7 +380,10 @@ def parse(text: str, fmt: ToolFormat, names: Optional[Iterable[str]] = None, *, 
     """A reply's text (after the generation prompt) -> content, reasoning (the analysis blocks) and
     its call, as llama-server parses it (module doc).  ``names``: the request's tools; ``lstrip`` is
     ignored (the reply's leading space is the role-header recipient's)."""
-    st, events = _P(GEN_PROMPT + text, list(names or ())).root()
+    try:
+        st, events = _P(GEN_PROMPT + text, list(names or ())).root()
+    except RecursionError:     # JSON nested beyond Python's stack (no grammar ran): not a call
+        st, events = FAIL, []
     if st == FAIL:
         return Reply(content=text)
     reply = Reply()
