@@ -57,7 +57,8 @@ OFF = {"enable_thinking": False}
 
 def _history(content: str = "") -> list:
     call = {"id": "call1", "type": "function", "function": {"name": "get_weather",
-                                                           "arguments": '{"unit": "c", "city": "Paris"}'}}
+                                                           "arguments": '{"unit": "c", "city": "Paris", '
+                                                                        '"opt": null, "more": [1.5, null, true]}'}}
     return [{"role": "system", "content": "You are terse."}] + USER + [
         {"role": "assistant", "content": content, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call1", "content": '{"temperature": 21, "sky": "clear"}'}]

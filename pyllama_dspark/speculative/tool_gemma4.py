@@ -15,8 +15,9 @@ arrays ``[a,b]`` and nested dicts ``{k:v}``.  Reading a reply follows llama.cpp'
   whitespace after ``{`` ``[`` ``,`` ``:`` and before ``}`` ``]`` dropped.
 
 The grammar (:func:`grammar`) is built from each tool's parameters schema (llama-server's admits any
-dict there and any whitespace; docs/serve.md "Tools"): keys in the order Gemma's template renders
-them (sorted), optional ones may be left out, no whitespace.
+dict there; docs/serve.md "Tools"): keys in the order Gemma's template renders them (sorted),
+optional ones may be left out, whitespace where llama-server's grammar allows it.  The conversation:
+:mod:`.tool_gemma4_chat`.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pyllama_dspark.speculative.tool_formats import ToolFormat
+from pyllama_dspark.speculative.tool_gemma4_chat import adjust_messages, adjust_prompt, legacy_messages
 from pyllama_dspark.speculative.tool_grammar import ToolGrammar, ToolSchemaError, until_rules
 from pyllama_dspark.speculative.tool_parse import Reply, ToolCall, _held_back
 
-__all__ = ["grammar", "parse", "adjust_prompt", "LEGACY", "CALL_OPEN", "CALL_CLOSE", "QUOTE"]
+__all__ = ["grammar", "parse", "adjust_messages", "adjust_prompt", "LEGACY", "CALL_OPEN", "CALL_CLOSE", "QUOTE"]
 
 CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 CH_OPEN, CH_CLOSE, THOUGHT = "<|channel>", "<channel|>", "<|channel>thought"
@@ -238,16 +240,16 @@ def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
         if params is None or params == {}:    # llama.cpp's common_chat_tool_parameters
             params = {"type": "object", "properties": {}}
         gen = _Gen(name, params, i)
-        if params.get("type", "object") != "object" or not isinstance(params, dict):
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise gen.err("its parameters schema must be an object")
         try:
             body = gen.value(params) if ("$ref" in params or "anyOf" in params or "oneOf" in params) \
                 else gen.object(params, 0)
         except RecursionError:
             raise gen.err("its parameters schema nests too deeply") from None
-        except (TypeError, ValueError) as e:
-            if isinstance(e, ToolSchemaError):
-                raise
+        except ToolSchemaError:
+            raise
+        except (TypeError, ValueError, AttributeError) as e:   # a schema's odd values (jsonschema let it by)
             raise gen.err(f"unsupported parameters schema: {e}") from None
         rules += gen.rules
         rules.append(f"call-{i} ::= {_lit(name)} {body}")
@@ -439,55 +441,6 @@ def parse(text: str, fmt: ToolFormat, names=None, *, partial: bool = False, lstr
     return Reply("".join(content), "".join(reasoning), calls)
 
 
-# ---- the conversation -------------------------------------------------------------------------------
-def adjust_prompt(prompt: str) -> str:
-    """llama.cpp opens the model's turn when the template left the prompt after a closed turn (an
-    assistant message with content, calls and their results last)."""
-    return prompt + "<|turn>model\n" if prompt.endswith("<turn|>\n") else prompt
-
-
-def _has_calls(m: dict) -> bool:
-    return isinstance(m.get("tool_calls"), list) and bool(m["tool_calls"])
-
-
-def _legacy_messages(msgs: List[dict]) -> List[dict]:
-    """An older Gemma 4 template (no ``OpenAI Chat Completions`` branch) wants one assistant message
-    with ``tool_calls``, ``tool_responses`` and the next reply's content (llama.cpp's
-    ``convert_tool_responses_gemma4``)."""
-    out: List[dict] = []
-    i = 0
-    while i < len(msgs):
-        m = msgs[i]
-        if m.get("role") != "assistant" or not _has_calls(m):
-            out.append(m)
-            i += 1
-            continue
-        calls, responses = list(m["tool_calls"]), []
-        i += 1
-        while i < len(msgs) and msgs[i].get("role") == "tool":
-            r = msgs[i]
-            body = r.get("content")
-            if isinstance(body, str):
-                try:
-                    body = json.loads(body)
-                except ValueError:
-                    pass
-            k = len(responses)
-            name = calls[k].get("function", {}).get("name", "") if k < len(calls) else ""
-            responses.append({"name": name or r.get("tool_call_id", ""), "response": body})
-            i += 1
-        new: Dict[str, Any] = {"role": "assistant", "tool_calls": calls}
-        if responses:
-            new["tool_responses"] = responses
-        if i < len(msgs) and msgs[i].get("role") == "assistant" and not _has_calls(msgs[i]) \
-                and msgs[i].get("content"):
-            new["content"] = msgs[i]["content"]
-            i += 1
-        if isinstance(m.get("reasoning_content"), str):
-            new["reasoning_content"] = m["reasoning_content"]
-        out.append(new)
-    return out
-
-
 # the codec of an older template: the same calls, the conversation rewritten
-LEGACY = SimpleNamespace(grammar=grammar, parse=parse, adjust_prompt=adjust_prompt, adjust_messages=_legacy_messages)
+LEGACY = SimpleNamespace(grammar=grammar, parse=parse, adjust_prompt=adjust_prompt,
+                         adjust_messages=lambda msgs: adjust_messages(legacy_messages(msgs)))
