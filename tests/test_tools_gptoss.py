@@ -167,6 +167,9 @@ TEXTS = [   # each follows an opened analysis block (module doc)
     "x<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>js",  # cut in the header
     'x<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>{"a": "b\\u12',
     "only reasoning<|en",
+    "\n r \n<|end|><|start|>assistant<|channel|>final<|message|>  Hi é \n",                     # whitespace kept
+    "x<|end|><|start|>assistant<|channel|>commentary<|message|> pre \n<|end|><|start|>assistant<|channel|>final"
+    "<|message|>\nA\n<|end|>",                                                                 # preamble + final
 ]
 REFUSED = [   # llama-server: HTTP 500 "does not match the expected format"
     "x<|end|><|start|>assistant<|channel|>commentary to=functions.unknown<|message|>{}",
