@@ -147,6 +147,26 @@ def test_the_templates_own_calls_are_in_our_grammar_and_parse_back(sp):
     assert auto.lazy and auto.words == ("<|tool_call>",) and len(target.tokenize("<|tool_call>", False, True)) == 1
 
 
+def test_refs_and_recursion_in_a_schema(sp):
+    """Local $refs ($defs, and "#" itself: a tree) become rules; a reply of that shape is in the grammar."""
+    from pyllama_dspark.speculative.grammar import Grammar
+
+    params = {"type": "object", "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                                 "required": ["x"]}},
+              "properties": {"at": {"$ref": "#/$defs/pt"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+              "required": ["at"]}
+    tools = check_tools([{"type": "function", "function": {"name": "tree", "parameters": params}}])
+    fmt = tool_chat_for(sp.target).format
+    g = tool_gemma4.grammar(fmt, tools, "required", False)
+    reply = "<|tool_call>call:tree{at:{x:1},kids:[{at:{x:-2}},{at:{x:3},kids:[]}]}<tool_call|>"
+    toks = sp.target.tokenize(reply, False, True)
+    with Grammar.compile(g.gbnf, sp.target) as gr:
+        assert gr.valid_prefix(toks) == len(toks), g.gbnf
+    args = json.loads(tool_gemma4.parse(reply, fmt, ["tree"]).calls[0].arguments)
+    assert args == {"at": {"x": 1}, "kids": [{"at": {"x": -2}}, {"at": {"x": 3}, "kids": []}]}
+    jsonschema.validate(args, params)
+
+
 @pytest.mark.parametrize("params,msg", [
     ({"type": "object", "properties": {"a:b": {"type": "string"}}}, "cannot be written"),
     ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}]}}}, "allOf"),

@@ -162,10 +162,10 @@ class _Gen:
     def _ref(self, ref: Any, depth: int) -> str:
         if ref in self.refs:
             return self.refs[ref]
-        if not isinstance(ref, str) or not ref.startswith("#/"):
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise self.err(f"unsupported $ref {ref!r} (only local ones)")
         node: Any = self.root
-        for part in ref[2:].split("/"):
+        for part in (ref[2:].split("/") if ref != "#" else ()):
             if not isinstance(node, dict) or part not in node:
                 raise self.err(f"unresolved $ref {ref!r}")
             node = node[part]
