@@ -70,7 +70,8 @@ def _history() -> list:
     call = {"id": cid, "type": "function", "function": {"name": "get_weather",
                                                         "arguments": '{"city": "Paris", "unit": "c"}'}}
     return [{"role": "system", "content": "You are terse."}] + USER + [
-        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "Need the <weather> & 'unit'."},
+        {"role": "assistant", "content": None, "tool_calls": [call],
+         "reasoning_content": "Need the <weather> & 'unit'."},
         {"role": "tool", "tool_call_id": cid, "content": '{"temperature": 21, "sky": "<clear> é"}'}]
 
 
@@ -200,7 +201,8 @@ def test_parse_of_what_llama_server_generated_is_its_own(cpp, sp):
     ch, to, msg = _tok(sp, "<|channel|>"), _tok(sp, " to"), _tok(sp, "<|message|>")
     cases = [{"tool_choice": "required", "logit_bias": [[to, 30], [msg, 30]]},
              {"tool_choice": "required", "logit_bias": [[ch, 30], [to, 20], [msg, 10]]},
-             {"tool_choice": "required"}, {"tool_choice": "auto", "logit_bias": [[to, 30], [msg, 20]]},   # its lazy grammar starts at " to"
+             {"tool_choice": "required"},
+             {"tool_choice": "auto", "logit_bias": [[to, 30], [msg, 20]]},   # its lazy grammar starts at " to"
              {"tool_choice": "required", "logit_bias": [[ch, 10], [msg, 30]], "max_tokens": 12}]
     for extra in cases:
         body = {"messages": USER, "tools": TOOLS, "max_tokens": N, "temperature": 0, "verbose": True, **extra}

@@ -101,7 +101,8 @@ def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
             raise ToolSchemaError(f"tool {f['name']!r}: unsupported parameters schema: "
                                   f"{type(e).__name__}: {e}") from None
         to = _lit(" to=functions." + f["name"])
-        calls.append(f"h-tool-{i} ::= ({to} h-chan h-type? {_lit(MESSAGE)} | h-chan {to} h-type? {_lit(MESSAGE)}) {args}")
+        msg = _lit(MESSAGE)
+        calls.append(f"h-tool-{i} ::= ({to} h-chan h-type? {msg} | h-chan {to} h-type? {msg}) {args}")
     rules = [conv.format_grammar().strip()] + calls
     rules += ["h-call ::= " + " | ".join(f"h-tool-{i}" for i in range(len(use))),
               f'h-chan ::= {_lit(CHANNEL)} ("commentary" | "analysis")',
@@ -128,8 +129,8 @@ class _P:
     """One parse of ``s`` (the generation prompt and the reply).  Each method returns (status, end,
     events); events: ("reasoning" | "content", text) and ("call", name, args text or None)."""
 
-    def __init__(self, s: str, names: Sequence[str]):
-        self.s, self.n, self.names = s, len(s), list(names)
+    def __init__(self, s: str, names: Optional[Sequence[str]]):
+        self.s, self.n, self.names = s, len(s), None if names is None else list(names)
 
     def lit(self, pos: int, word: str):
         for i, c in enumerate(word):
@@ -216,10 +217,25 @@ class _P:
             return (NEED, k, []) if k >= self.n else (FAIL, p, [])
         return self.opt(pos, one)
 
-    def tool(self, pos, name):
-        to = lambda p: self.lit(p, " to=functions." + name)                          # noqa: E731
+    def tool(self, pos, name: Optional[str]):
+        """A call of ``name`` (None: any name, up to whitespace or a control token)."""
+        seen: List[str] = []
+
+        def to(p):
+            st, p, _ = self.lit(p, " to=functions.")
+            if st != OK or name is not None:
+                return self.lit(p, name) if st == OK else (st, p, [])
+            k = p
+            while k < self.n and self.s[k] not in _SPACE and self.s[k] != "<":
+                k += 1
+            if k >= self.n or k == p:
+                return (NEED, k, []) if k >= self.n else (FAIL, p, [])
+            seen.append(self.s[p:k])
+            return OK, k, []
+
         msg = lambda p: self.lit(p, MESSAGE)                                          # noqa: E731
         for header in ((to, self.channel, self.ctype, msg), (self.channel, to, self.ctype, msg)):
+            seen.clear()
             st, end, _ = self.seq(pos, *header)
             if st == FAIL:
                 continue
@@ -228,7 +244,7 @@ class _P:
             ast, aend = _json(self.s, end)
             if ast == FAIL:
                 continue
-            return ast, aend, [("call", name, self.s[end:aend])]
+            return ast, aend, [("call", name or seen[-1], self.s[end:aend])]
         return FAIL, pos, []
 
     def root(self):
@@ -243,7 +259,7 @@ class _P:
                 break
             ev += e
             pos = end
-        tools = [lambda p, n=n: self.tool(p, n) for n in self.names]
+        tools = [lambda p, n=n: self.tool(p, n) for n in (self.names if self.names is not None else [None])]
         st, _, e = self.seq(pos, start, lambda p: self.alt(p, *tools, self.final))
         return st, ev + e
 
@@ -378,10 +394,10 @@ def _json(s: str, i: int) -> Tuple[int, int]:
 def parse(text: str, fmt: ToolFormat, names: Optional[Iterable[str]] = None, *, partial: bool = False,
           lstrip: bool = True) -> Reply:
     """A reply's text (after the generation prompt) -> content, reasoning (the analysis blocks) and
-    its call, as llama-server parses it (module doc).  ``names``: the request's tools; ``lstrip`` is
+    its call, as llama-server parses it (module doc).  ``names``: the request's tools (None: any name); ``lstrip`` is
     ignored (the reply's leading space is the role-header recipient's)."""
     try:
-        st, events = _P(GEN_PROMPT + text, list(names or ())).root()
+        st, events = _P(GEN_PROMPT + text, None if names is None else list(names)).root()
     except RecursionError:     # JSON nested beyond Python's stack (no grammar ran): not a call
         st, events = FAIL, []
     if st == FAIL:
