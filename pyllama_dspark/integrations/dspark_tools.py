@@ -77,7 +77,7 @@ def tool_chat(target, plan: ToolPlan, run: Callable[[List[int], Any], Iterator],
     def final(done: Done):
         if differ is None:
             return {"role": "assistant", "content": done.text}, [], done.finish_reason
-        reply, deltas = differ.update(text.finish(), final=done.finish_reason != "length")
+        reply, deltas = differ.finish(text.finish(), cut=done.finish_reason == "length")
         reason = "tool_calls" if reply.calls and done.finish_reason == "stop" else done.finish_reason
         return message_json(reply), deltas, reason
 

@@ -76,7 +76,7 @@ class ToolReply:
         if not streamed:
             self.text.push(done.tokens)
         text = self.text.finish()
-        reply, deltas = self.differ.update(text, final=done.finish_reason != "length")
+        reply, deltas = self.differ.finish(text, cut=done.finish_reason == "length")
         reason = "tool_calls" if reply.calls and done.finish_reason == "stop" else done.finish_reason
         return reply, deltas if streamed else [], reason
 

@@ -8,8 +8,9 @@ JSON object ``{"name": ..., "arguments": {...}}`` between fixed markers, and :mo
 
 * ``grammar(fmt, tools, choice, parallel, think) -> Optional[ToolGrammar]``: as
   :func:`.tool_grammar.tool_grammar`;
-* ``parse(text, fmt, names=None, *, partial=False, lstrip=True) -> Reply``: as
-  :func:`.tool_parse.parse_reply`;
+* ``parse(text, fmt, names=None, *, partial=False, lstrip=True, calls=True) -> Reply``: as
+  :func:`.tool_parse.parse_reply` (``calls`` False: a ``tool_choice: "none"`` reply, reasoning and
+  content only);
 * ``adjust_messages(messages) -> messages`` (optional): the conversation as the format's template
   wants it, after :mod:`.tool_chat`'s normalisation (GPT-OSS: ``reasoning_content`` -> ``thinking``).
 
@@ -18,6 +19,7 @@ One implementation per format behind one interface, as llama.cpp's ``common/pars
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -46,10 +48,13 @@ def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
     return (c.grammar if c is not None else tool_grammar)(fmt, tools, choice, parallel, think)
 
 
-def parser(fmt: Optional[ToolFormat]) -> Callable[..., Reply]:
-    """The reply parser of ``fmt`` (:func:`.tool_parse.parse_reply`'s contract)."""
+def parser(fmt: Optional[ToolFormat], calls: bool = True) -> Callable[..., Reply]:
+    """The reply parser of ``fmt`` (:func:`.tool_parse.parse_reply`'s contract); ``calls`` False:
+    the parser of a ``tool_choice: "none"`` reply (reasoning and content, no calls), as llama.cpp
+    builds its parser without the tools there."""
     c = _codec(fmt)
-    return c.parse if c is not None else parse_reply
+    parse = c.parse if c is not None else parse_reply
+    return parse if calls else functools.partial(parse, calls=False)
 
 
 def adjust_messages(fmt: Optional[ToolFormat]) -> Optional[Callable[[List[dict]], List[dict]]]:

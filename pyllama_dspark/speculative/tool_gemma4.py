@@ -401,10 +401,13 @@ def _calls(s: str, i: int, names: Optional[List[str]], partial: bool) -> List[To
     return out
 
 
-def parse(text: str, fmt: ToolFormat, names=None, *, partial: bool = False, lstrip: bool = True) -> Reply:
+def parse(text: str, fmt: ToolFormat, names=None, *, partial: bool = False, lstrip: bool = True,
+          calls: bool = True) -> Reply:
     """:func:`.tool_parse.parse_reply`'s contract (module doc); ``lstrip`` is not used: llama-server's
-    Gemma 4 parser keeps a reply's leading whitespace."""
+    Gemma 4 parser keeps a reply's leading whitespace.  ``calls`` False (``tool_choice: "none"``):
+    content runs on over ``<|tool_call>`` (llama-server's parser without tools), no calls."""
     s = text
+    stops = (CH_OPEN, CH_CLOSE, CALL_OPEN) if calls else (CH_OPEN, CH_CLOSE)
     names = None if names is None else list(names)
     content: List[str] = []
     reasoning: List[str] = []
@@ -426,19 +429,18 @@ def parse(text: str, fmt: ToolFormat, names=None, *, partial: bool = False, lstr
                 return Reply("".join(content), "".join(reasoning))
             reasoning.append(s[k:e])
             i = e + len(CH_CLOSE)
-        ends = [e for e in (s.find(m, i) for m in (CH_OPEN, CH_CLOSE, CALL_OPEN)) if e >= 0]
+        ends = [e for e in (s.find(m, i) for m in stops) if e >= 0]
         e = min(ends, default=len(s))
         piece = s[i:e]
         if partial and e == len(s):
-            for m in (CH_OPEN, CH_CLOSE, CALL_OPEN):
+            for m in stops:
                 piece = _held_back(piece, m)
         content.append(piece)
         i = e
         if i == start:
             break
-    k = s.find(CALL_OPEN, i)
-    calls = _calls(s, k, names, partial) if k >= 0 else []
-    return Reply("".join(content), "".join(reasoning), calls)
+    k = s.find(CALL_OPEN, i) if calls else -1
+    return Reply("".join(content), "".join(reasoning), _calls(s, k, names, partial) if k >= 0 else [])
 
 
 # the codec of an older template: the same calls, the conversation rewritten

@@ -36,7 +36,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 from pyllama_dspark.speculative.tool_formats import ToolFormat
 from pyllama_dspark.speculative.tool_grammar import ToolGrammar, ToolSchemaError, until_rules
-from pyllama_dspark.speculative.tool_parse import Reply, ToolCall
+from pyllama_dspark.speculative.tool_parse import Reply, ToolCall, whole_if_empty
 
 __all__ = ["grammar", "parse", "adjust_messages", "TRIGGERS", "GEN_PROMPT"]
 
@@ -129,8 +129,8 @@ class _P:
     """One parse of ``s`` (the generation prompt and the reply).  Each method returns (status, end,
     events); events: ("reasoning" | "content", text) and ("call", name, args text or None)."""
 
-    def __init__(self, s: str, names: Optional[Sequence[str]]):
-        self.s, self.n, self.names = s, len(s), None if names is None else list(names)
+    def __init__(self, s: str, names: Optional[Sequence[str]], calls: bool = True):
+        self.s, self.n, self.names, self.calls = s, len(s), None if names is None else list(names), calls
 
     def lit(self, pos: int, word: str):
         for i, c in enumerate(word):
@@ -259,9 +259,19 @@ class _P:
                 break
             ev += e
             pos = end
+        if not self.calls:   # tool_choice "none": a final answer, or a call consumed as nothing
+            st, _, e = self.seq(pos, start, lambda p: self.alt(p, self.final, self.unsolicited))
+            return st, ev + e
         tools = [lambda p, n=n: self.tool(p, n) for n in (self.names if self.names is not None else [None])]
         st, _, e = self.seq(pos, start, lambda p: self.alt(p, *tools, self.final))
         return st, ev + e
+
+    def unsolicited(self, pos):
+        """gpt-oss.cpp's "unsolicited" message (its parser without tools): an atomic
+        ``(<|channel|>(commentary|analysis))? to=...<|end|>``, read as nothing."""
+        st, end, _ = self.seq(pos, lambda p: self.opt(p, self.channel), lambda p: self.lit(p, " to="),
+                              self.until_end, lambda p: self.lit(p, END))
+        return st, end, []
 
 
 def _json(s: str, i: int) -> Tuple[int, int]:
@@ -392,12 +402,14 @@ def _json(s: str, i: int) -> Tuple[int, int]:
 
 
 def parse(text: str, fmt: ToolFormat, names: Optional[Iterable[str]] = None, *, partial: bool = False,
-          lstrip: bool = True) -> Reply:
+          lstrip: bool = True, calls: bool = True) -> Reply:
     """A reply's text (after the generation prompt) -> content, reasoning (the analysis blocks) and
     its call, as llama-server parses it (module doc).  ``names``: the request's tools (None: any name); ``lstrip`` is
-    ignored (the reply's leading space is the role-header recipient's)."""
+    ignored (the reply's leading space is the role-header recipient's).  ``calls`` False (``tool_choice:
+    "none"``): llama-server's parser without tools, whose answer is a final message or a call, read as
+    nothing."""
     try:
-        st, events = _P(GEN_PROMPT + text, None if names is None else list(names)).root()
+        st, events = _P(GEN_PROMPT + text, None if names is None else list(names), calls).root()
     except RecursionError:     # JSON nested beyond Python's stack (no grammar ran): not a call
         st, events = FAIL, []
     if st == FAIL:
@@ -413,6 +425,4 @@ def parse(text: str, fmt: ToolFormat, names: Optional[Iterable[str]] = None, *, 
             reply.calls.append(ToolCall(ev[1], args if args.startswith("{") else "{", "", st == OK))
     if not reply.reasoning.strip(" \n\r\t"):
         reply.reasoning = ""
-    if not partial and not (reply.content or reply.reasoning or reply.calls):
-        reply.content = text
-    return reply
+    return reply if partial else whole_if_empty(reply, text)

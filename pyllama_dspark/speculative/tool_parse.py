@@ -25,7 +25,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from pyllama_dspark.speculative.tool_formats import ToolFormat
 
-__all__ = ["ToolCall", "Reply", "parse_reply", "ReplyDiffer", "ReplyText", "new_call_id", "message_json"]
+__all__ = ["ToolCall", "Reply", "parse_reply", "ReplyDiffer", "ReplyText", "new_call_id", "message_json",
+           "whole_if_empty"]
 
 _DEC = json.JSONDecoder()
 _WS = " \t\n\r"
@@ -177,18 +178,27 @@ def _held_back(content: str, marker: str) -> str:
 
 
 def parse_reply(text: str, fmt: ToolFormat, names: Optional[Iterable[str]] = None, *, partial: bool = False,
-                lstrip: bool = True) -> Reply:
+                lstrip: bool = True, calls: bool = True) -> Reply:
     """Split a reply (module doc); ``names``: the request's tools (a call of another name is not a
     call); ``partial``: the text so far of a streaming reply (no error at a cut-off call);
     ``lstrip``: leading whitespace is not content (llama.cpp's parser skips the space after the
-    generation prompt, except after a reasoning block the prompt already closed)."""
+    generation prompt, except after a reasoning block the prompt already closed, and then a
+    ``<think>`` in the reply is content, as in llama.cpp's parser); ``calls`` False
+    (``tool_choice: "none"``): reasoning and content only, a call written as text stays content, as
+    llama.cpp's content parser reads it (a format without a reasoning block: the text as written)."""
+    if not calls and not fmt.think:
+        return Reply(content=text)
     names = None if names is None else set(names)
     if lstrip:
         text = text.lstrip(_WS)
-    reasoning, rest = _split_reasoning(text, fmt, partial)
+    # a reasoning block the prompt closed (lstrip False) is not reopened by the reply
+    reasoning, rest = _split_reasoning(text, fmt, partial) if lstrip else ("", text)
     if reasoning.strip(_WS) == "":
         reasoning = ""
     reply = Reply(reasoning=reasoning)
+    if not calls:
+        reply.content = rest
+        return reply
     marker = fmt.first_marker
     if marker:
         k = rest.find(marker)
@@ -273,6 +283,14 @@ def _one_call(s: str, i: int, fmt: ToolFormat, names, partial: bool, out: List[T
     return i, True
 
 
+def whole_if_empty(reply: Reply, text: str) -> Reply:
+    """llama-server's message of a reply that parses to nothing (no content, reasoning or calls):
+    its whole text as ``content`` (``server-task.cpp``: an empty parsed message is not used)."""
+    if not (reply.content or reply.reasoning or reply.calls):
+        reply.content = text
+    return reply
+
+
 class ReplyDiffer:
     """Successive parses of a streaming reply -> OpenAI ``delta`` dicts (llama-server's
     ``compute_diffs``: reasoning, then content, then the last known call's new argument text, then
@@ -322,6 +340,17 @@ class ReplyDiffer:
             c.id = self._id(j, c.id)
         self.prev = new
         return new, deltas
+
+    def finish(self, text: str, cut: bool = False) -> Tuple[Reply, List[dict]]:
+        """The last update, at the reply's end (``cut``: by ``max_tokens``, parsed leniently), with
+        llama-server's message of a reply that parses to nothing (:func:`whole_if_empty`)."""
+        sent = self.prev.content
+        reply, deltas = self.update(text, final=not cut)
+        if not (reply.content or reply.reasoning or reply.calls) and text:
+            whole_if_empty(reply, text)
+            if text.startswith(sent) and text != sent:
+                deltas.append({"content": text[len(sent):]})
+        return reply, deltas
 
 
 class ReplyText:

@@ -160,8 +160,9 @@ class ToolPlan:
 
     @property
     def parses(self) -> bool:
-        """The reply is parsed for calls (tools given and tool_choice is not "none")."""
-        return self.fmt is not None and bool(self.names) and self.choice != "none"
+        """The reply is parsed (tools given): for calls, or under tool_choice "none" for its
+        reasoning and content only, as llama-server parses it."""
+        return self.fmt is not None and bool(self.names)
 
     def compile(self, target):
         """What the decoder takes as its grammar: GBNF text (strict), a
@@ -189,7 +190,8 @@ class ToolPlan:
         """The reply's parser as a stream of deltas (None: the reply is not parsed)."""
         if not self.parses:
             return None
-        return ReplyDiffer(self.fmt, self.names, self.lstrip, parse=tool_codecs.parser(self.fmt))
+        return ReplyDiffer(self.fmt, self.names, self.lstrip,
+                           parse=tool_codecs.parser(self.fmt, calls=self.choice != "none"))
 
     def special_ids(self, target) -> List[int]:
         """Tokens of the format's markers, rendered in the reply's text even when they are control
