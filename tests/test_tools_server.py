@@ -31,7 +31,8 @@ from serve_helpers import SESSION, ServeProcess, sse_json
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.gguf.testing import make_test_draft
 from pyllama_dspark.speculative.tool_chat import tool_chat_for
-from pyllama_dspark.speculative.tool_parse import ReplyText, message_json, parse_reply
+from pyllama_dspark.speculative import tool_codecs
+from pyllama_dspark.speculative.tool_parse import ReplyDiffer, ReplyText, message_json, parse_reply
 from pyllama_dspark.speculative.tool_request import check_tool_choice, check_tools, plan_tools
 
 pytestmark = pytest.mark.slow
@@ -182,6 +183,27 @@ def test_parse_of_a_text_is_llama_servers(servers, targets, kind):
         theirs = r.json()["choices"][0]["message"]
         ours = message_json(parse_reply(text, fmt, ["get_weather", "get_time"]))
         assert _strip_ids(ours) == _strip_ids(theirs), text
+    # tool_choice "none": no calls, the text is content (a continued prefill follows a closed
+    # reasoning block, so a <think> in it is content too and leading whitespace is kept)
+    for text in TEXTS[kind] + NONE_TEXTS:
+        body = {"messages": USER + [{"role": "assistant", "content": text}], "tools": TOOLS, "max_tokens": 1,
+                "logit_bias": [[eog, 100]], "temperature": 0, "tool_choice": "none"}
+        r = _post(cpp, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        theirs = r.json()["choices"][0]["message"]
+        ours = message_json(tool_codecs.parser(fmt, calls=False)(text, fmt, ["get_weather", "get_time"], lstrip=False))
+        assert ours == theirs, text
+
+
+NONE_TEXTS = ["<think>\nhm\n</think>\n\nHello", "  <think>r</think>  x  ", "\n\nplain\n", "a<think>b</think>c"]
+
+
+def _ours(raw: str, fmt, extra: dict, finish: str) -> dict:
+    """Our message of a reply to the request ``extra`` (ReplyDiffer's last update, as serve's)."""
+    closed = extra.get("chat_template_kwargs", {}).get("enable_thinking") is False
+    d = ReplyDiffer(fmt, ["get_weather", "get_time"], not closed,
+                    parse=tool_codecs.parser(fmt, calls=extra["tool_choice"] != "none"))
+    return message_json(d.finish(raw, cut=finish == "length")[0])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -195,10 +217,15 @@ def test_parse_of_what_llama_server_generated_is_its_own(servers, targets, kind)
     cases = [{"tool_choice": "auto"}, {"tool_choice": "required", "logit_bias": [[start, 30]]},
              {"tool_choice": "required", "logit_bias": [[start, 8]]}, {"tool_choice": "none"}]
     if kind == "qwen3":
-        think = target.tokenize("<think>", False, True)[0]
+        think, close = (target.tokenize(t, False, True)[0] for t in ("<think>", "</think>"))
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
         cases += [{"tool_choice": "auto", "logit_bias": [[think, 6]]},
-                  {"tool_choice": "required", "chat_template_kwargs": {"enable_thinking": False},
-                   "logit_bias": [[start, 5]]}]
+                  {"tool_choice": "required", **off, "logit_bias": [[start, 5]]},
+                  {"tool_choice": "none", "logit_bias": [[think, 6]]},                   # reasoning, cut
+                  {"tool_choice": "none", "logit_bias": [[think, 6], [close, 5]]},       # <think></think> content
+                  {"tool_choice": "none", "logit_bias": [[start, 20]]},                  # a call's start: content
+                  {"tool_choice": "none", **off, "logit_bias": [[think, 6]]},            # closed: <think> is content
+                  {"tool_choice": "auto", **off, "logit_bias": [[think, 6], [close, 5]]}]
     for extra in cases:
         body = {"messages": USER, "tools": TOOLS, "max_tokens": N, "temperature": 0, "verbose": True,
                 "parallel_tool_calls": False, **extra}
@@ -210,10 +237,7 @@ def test_parse_of_what_llama_server_generated_is_its_own(servers, targets, kind)
         raw, theirs = j["__verbose"]["content"], j["choices"][0]["message"]
         if extra["tool_choice"] == "none":
             assert "tool_calls" not in theirs
-            continue
-        closed = extra.get("chat_template_kwargs", {}).get("enable_thinking") is False
-        ours = message_json(parse_reply(raw, fmt, ["get_weather", "get_time"],
-                                        partial=j["choices"][0]["finish_reason"] == "length", lstrip=not closed))
+        ours = _ours(raw, fmt, extra, j["choices"][0]["finish_reason"])
         assert _strip_ids(ours) == _strip_ids(theirs), (extra, raw)
 
 
@@ -483,3 +507,36 @@ def test_a_stop_string_cuts_the_streamed_reply_where_it_cuts_the_reply(servers):
                                    stream=True, timeout=600))
     streamed = "".join(ev["choices"][0]["delta"].get("content") or "" for ev in events[:-1])
     assert full["message"]["content"] == streamed == text[:text.index(stop)]
+
+
+NONE_CASES = [("qwen3", [["<think>", 6]]), ("qwen3", [["<think>", 6], ["</think>", 5]]), ("qwen3", [["<tool_call>", 20]]),
+              ("llama3", [["{", 20]]), ("mistral", [["[TOOL_CALLS]", 20]])]
+
+
+@pytest.mark.parametrize("kind,bias", NONE_CASES, ids=["qwen3-think", "qwen3-think-closed", "qwen3-call", "llama3",
+                                                       "mistral"])
+def test_tool_choice_none_reply_is_llama_servers_and_streams_to_it(servers, targets, kind, bias):
+    """tool_choice "none", greedy: serve's message is llama-server's (reasoning split, a call written
+    as text left in content), and its streamed deltas reassemble to it."""
+    target = targets[kind].target
+    lb = [[target.tokenize(t, False, True)[0], v] for t, v in bias]
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": 32, "temperature": 0,
+            "logit_bias": lb}
+    ours, cpp = servers.get(kind, "plain"), servers.get(kind, "cpp")
+    a, b = _post(ours, "/v1/chat/completions", body), _post(cpp, "/v1/chat/completions", body)
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    mine, theirs = a.json()["choices"][0], b.json()["choices"][0]
+    assert mine["message"] == theirs["message"] and mine["finish_reason"] == theirs["finish_reason"]
+    if kind == "qwen3" and len(bias) == 1 and bias[0][0] == "<think>":
+        assert mine["message"].get("reasoning_content"), mine
+    events = sse_json(SESSION.post(ours.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True,
+                                   timeout=600))
+    assert events[-1] == "[DONE]"
+    got = {"content": "", "reasoning_content": ""}
+    for ev in events[:-1]:
+        d = ev["choices"][0]["delta"]
+        assert "tool_calls" not in d
+        for k in got:
+            got[k] += d.get(k) or ""
+    assert got == {"content": mine["message"]["content"],
+                   "reasoning_content": mine["message"].get("reasoning_content", "")}
