@@ -301,6 +301,46 @@ def test_parse_of_a_text_is_llama_servers(servers, sp):
         theirs = r.json()["choices"][0]["message"]
         ours = message_json(tool_gemma4.parse(text, fmt, NAMES))
         assert _strip_ids(ours) == _strip_ids(theirs), text
+    for text in TEXTS + NONE_TEXTS:    # tool_choice "none": thoughts split, calls left in content
+        body = {"messages": USER + [{"role": "assistant", "content": text}], "tools": TOOLS, "max_tokens": 1,
+                "logit_bias": [[eog, 100]], "temperature": 0, "tool_choice": "none"}
+        r = _post(cpp, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        assert message_json(tool_gemma4.parse(text, fmt, NAMES, calls=False)) == r.json()["choices"][0]["message"], text
+
+
+NONE_TEXTS = ["<|channel>thought\nhmm \n<channel|>Answer", "x<|channel>thought\nhmm \n<channel|> y<|channel>thought z<channel|>w",
+              f"<|channel>thought\nr<channel|>Sure <|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|> more",
+              "<|channel>other<|channel>thought t<channel|>c", "a<channel|>dropped"]
+NONE_BIAS = [[["<|channel>", 10]], [["<|channel>", 9], ["thought", 8]], [["<|tool_call>", 20]]]
+
+
+def test_tool_choice_none_reply_is_llama_servers_and_streams_to_it(servers, sp):
+    """tool_choice "none", greedy: serve's message is llama-server's (a thought split into
+    reasoning_content, a call written as text left in content, a reply that parses to nothing given
+    whole), and its streamed deltas reassemble to it."""
+    ours, cpp = servers("plain"), servers("cpp")
+    thoughts = 0
+    for bias in NONE_BIAS:
+        lb = [[sp.target.tokenize(t, False, True)[0], v] for t, v in bias]
+        body = {"messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": N, "temperature": 0,
+                "logit_bias": lb}
+        a, b = _post(ours, "/v1/chat/completions", body), _post(cpp, "/v1/chat/completions", body)
+        assert a.status_code == b.status_code == 200, (a.text, b.text)
+        mine, theirs = a.json()["choices"][0], b.json()["choices"][0]
+        assert mine["message"] == theirs["message"] and mine["finish_reason"] == theirs["finish_reason"], bias
+        thoughts += bool(mine["message"].get("reasoning_content"))
+        events = sse_json(SESSION.post(ours.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True,
+                                       timeout=600))
+        got = {"content": "", "reasoning_content": ""}
+        for ev in events[:-1]:
+            d = ev["choices"][0]["delta"]
+            assert "tool_calls" not in d
+            for k in got:
+                got[k] += d.get(k) or ""
+        assert got == {"content": mine["message"]["content"],
+                       "reasoning_content": mine["message"].get("reasoning_content", "")}, bias
+    assert thoughts
 
 
 def test_parse_of_what_llama_server_generated_is_its_own(servers, sp):

@@ -179,9 +179,9 @@ REFUSED = [   # llama-server: HTTP 500 "does not match the expected format"
 ]
 
 
-def _cpp_parse(cpp, eog: int, text: str):
+def _cpp_parse(cpp, eog: int, text: str, choice: str = "auto"):
     body = {"messages": USER + [{"role": "assistant", "content": "", "reasoning_content": text}], "tools": TOOLS,
-            "max_tokens": 1, "logit_bias": [[eog, 100]], "temperature": 0}
+            "max_tokens": 1, "logit_bias": [[eog, 100]], "temperature": 0, "tool_choice": choice}
     return _post(cpp, "/v1/chat/completions", body)
 
 
@@ -195,6 +195,23 @@ def test_parse_of_a_text_is_llama_servers(cpp, sp):
         r = _cpp_parse(cpp, eog, text)
         assert r.status_code == 500 and "does not match" in r.text, (text, r.text)
         assert _parse(A + text) == {"role": "assistant", "content": A + text}
+    # tool_choice "none": llama-server's parser without tools; a call is an "unsolicited" message,
+    # read as nothing once its <|end|> comes.  partial: a text that parses to nothing is not given
+    # whole (llama-server gives the generated text whole, here nothing; the generated case is below)
+    def none(t, partial=True):
+        return message_json(tool_harmony.parse(t, FORMATS["harmony"], ["get_weather"], partial=partial, calls=False))
+    for text in TEXTS + NONE_TEXTS:
+        r = _cpp_parse(cpp, eog, text, "none")
+        assert r.status_code == 200, (text, r.text)
+        assert none(A + text) == r.json()["choices"][0]["message"], text
+    r = _cpp_parse(cpp, eog, "x<|end|>plain text", "none")
+    assert r.status_code == 500 and "does not match" in r.text, r.text
+    assert none(A + "x<|end|>plain text", False) == {"role": "assistant", "content": A + "x<|end|>plain text"}
+
+
+NONE_TEXTS = ["T<|end|><|start|>assistant<|channel|>commentary to=functions." + CALL_W + "<|end|>",
+              'T<|end|><|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|end|>',
+              "T<|end|><|start|>assistant to=functions.x<|message|>{}<|end|><|start|>assistant<|channel|>final"]
 
 
 def test_parse_of_what_llama_server_generated_is_its_own(cpp, sp):
@@ -419,3 +436,36 @@ def test_any_text_parses_and_streams_without_error():
                 (final.content, final.reasoning, [(c.name, c.arguments) for c in final.calls]), text
 
     check()
+
+
+NONE_BIAS = [{}, {"<|channel|>": 10}, {"<|channel|>": 30, " to": 20, "<|message|>": 10}, {" to": 30, "<|message|>": 30},
+             {"<|channel|>": 8, "<|message|>": 7, "<|end|>": 6}]
+
+
+def test_tool_choice_none_reply_is_llama_servers_and_streams_to_it(cpp, serve, sp):
+    """tool_choice "none", greedy: serve's message is llama-server's (analysis channels as
+    reasoning_content, the final channel as content, a reply that parses to nothing given whole), and
+    its streamed deltas reassemble to it.  A reply llama-server answers with HTTP 500 ("does not match")
+    is whole content here (docs/serve.md): a random target writes no harmony message on its own, so
+    the split itself is checked against llama-server on fixed texts above."""
+    for bias in NONE_BIAS:
+        body = {"messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": N, "temperature": 0,
+                "logit_bias": [[_tok(sp, t), v] for t, v in bias.items()]}
+        a, b = _post(serve, "/v1/chat/completions", body), _post(cpp, "/v1/chat/completions", body)
+        assert a.status_code == 200, a.text
+        mine = a.json()["choices"][0]
+        if b.status_code == 500 and "does not match" in b.text:
+            assert set(mine["message"]) == {"role", "content"}, mine
+        else:
+            theirs = b.json()["choices"][0]
+            assert mine["message"] == theirs["message"] and mine["finish_reason"] == theirs["finish_reason"], bias
+        events = sse_json(SESSION.post(serve.url + "/v1/chat/completions", json={**body, "stream": True},
+                                       stream=True, timeout=600))
+        got = {"content": "", "reasoning_content": ""}
+        for ev in events[:-1]:
+            d = ev["choices"][0]["delta"]
+            assert "tool_calls" not in d
+            for k in got:
+                got[k] += d.get(k) or ""
+        assert got == {"content": mine["message"]["content"],
+                       "reasoning_content": mine["message"].get("reasoning_content", "")}, bias
