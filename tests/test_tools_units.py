@@ -400,3 +400,37 @@ def test_any_text_parses_and_streams_without_error():
                 (final.content, [(c.name, c.arguments) for c in final.calls]), text
 
     check()
+
+
+NONE_REPLIES = [   # (format, text, cut): a tool_choice "none" reply, streamed character by character
+    ("qwen3", "<think>\nhm\n</think>\n\nSure <tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", False),
+    ("qwen3", "<think>\ncut reasoning", True), ("qwen3", "<think>\n \n</think>\n\n", False),
+    ("mistral", '  [TOOL_CALLS][{"name": "f", "arguments": {}}]', False),
+    ("gemma4", "<|channel>thought\nr<channel|>a <|tool_call>call:f{}<tool_call|> b", False),
+    ("gemma4", "<|channel><|channel><|channel>", True),
+    ("harmony", "<|channel|>analysis<|message|>r<|end|><|start|>assistant<|channel|>final<|message|>ok", False),
+    ("harmony", "<|channel|>commentary to=functions.get_wea", True),
+]
+
+
+@pytest.mark.parametrize("kind,text,cut", NONE_REPLIES)
+def test_tool_choice_none_deltas_reassemble_to_the_message_and_hold_no_calls(kind, text, cut):
+    """ReplyDiffer with the "none" parser (tool_codecs.parser(calls=False)): no calls, the deltas add
+    up to the last message, and one that parses to nothing is the whole text (llama-server's)."""
+    from pyllama_dspark.speculative import tool_codecs
+
+    fmt = _chat("Qwen-Qwen3-0.6B.jinja").format if kind == "qwen3" else (
+        _chat("google-gemma-4-31B-it.jinja").format if kind == "gemma4" else FORMATS[kind])
+    d = ReplyDiffer(fmt, ["f", "get_weather"], parse=tool_codecs.parser(fmt, calls=False))
+    got = {"content": "", "reasoning_content": ""}
+    for k in range(1, len(text)):
+        for delta in d.update(text[:k])[1]:
+            assert "tool_calls" not in delta
+            for key in got:
+                got[key] += delta.get(key, "")
+    reply, deltas = d.finish(text, cut=cut)
+    for delta in deltas:
+        for key in got:
+            got[key] += delta.get(key, "")
+    assert not reply.calls and got == {"content": reply.content, "reasoning_content": reply.reasoning}
+    assert reply.content or reply.reasoning
