@@ -138,11 +138,11 @@ class DSpark(Owned):
                 target.close()
                 raise
         else:
-            target, draft, proposer, found = BorrowedTarget(ctx.ctx, llama_settings(llm)), None, NoDraft(), []
+            target, draft, proposer, found = BorrowedTarget(ctx.ctx, llama_settings(llm), path=llm.model_path), None, NoDraft(), []
         try:
             # a first-use cost measurement decodes in the Llama's context: its cached prefix is gone
             policy = make_policy(target, draft, "off" if schedule is None else schedule, cost_profile=cost_profile,
-                                 gamma=int(n_max), on_measured=llm.reset)
+                                 gamma=int(n_max), on_measured=llm.reset, progress=bool(llm.verbose))
         except BaseException:
             target.close()
             raise

@@ -108,7 +108,7 @@ def borrow_target(llm, draft_path: str):
     check_model(llm.model)      # AMX-repacked weights would crash once capture is on
     settings = llama_settings(llm)
     target = BorrowedTarget(ctx.ctx, settings, capture_layers=dinfo.target_layer_ids,
-                            allow_last_layer=bool(tinfo.accepts_final_layer_id))
+                            allow_last_layer=bool(tinfo.accepts_final_layer_id), path=llm.model_path)
     return target, settings, found
 
 
@@ -158,7 +158,7 @@ class DSparkDraftModel(Owned, LlamaDraftModel):
             # a first-use cost measurement decodes in the Llama's context: its cached prefix is gone
             self.policy = make_policy(self.target, self.draft, "off" if schedule is None else schedule,
                                       proposer=self.proposer, cost_profile=cost_profile, gamma=self.n_max,
-                                      on_measured=llm.reset)
+                                      on_measured=llm.reset, progress=bool(llm.verbose))
         except BaseException:
             self.target.close()
             raise

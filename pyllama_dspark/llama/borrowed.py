@@ -26,13 +26,15 @@ class BorrowedTarget(Target):
     _what = "borrowed target"
 
     def __init__(self, ctx, settings: ContextSettings, capture_layers: Sequence[int] = (),
-                 allow_last_layer: bool = False):
+                 allow_last_layer: bool = False, path: Optional[str] = None):
         if not ctx:
             raise ClosedError("the llama_context to borrow is NULL (its owner was closed?)")
         self._drafts: "weakref.WeakSet[Draft]" = weakref.WeakSet()
         self.handle = None
         self._eog = None
-        self.path = None
+        # the owner's model file (``Llama.model_path``): what the cost profile and the schedule's
+        # memory are keyed by, as for a target this package opens itself
+        self.path = str(path) if path else None
         self.settings = settings
         self.ctx = ctx
         self.model = ll.llama_get_model(ctx)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -19,11 +20,16 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
+from pyllama_dspark.speculative import profile_check
 from pyllama_dspark.speculative.schedule import CostModel
 
+log = logging.getLogger(__name__)
+
 #: 2: the auto curve reads the sizes one sequence verifies (B <= FOCUS_B) at least FOCUS_READINGS
-#: times; a version 1 file may hold one reading per size, and is measured again
-PROFILE_VERSION = 2
+#: times; a version 1 file may hold one reading per size, and is measured again.  3: a profile
+#: records its readings per size, when and under which load it was measured and which versions made
+#: it (:mod:`.profile_check`); a version 2 file says none of that, and is measured again
+PROFILE_VERSION = 3
 #: The verify sizes of one sequence's blocks (up to 7 drafts and the anchor).  A large target's curve
 #: fits one round of B = 1..32 in the budget, and one reading per size left jags the cycles never
 #: showed (a 1.7B on a 2-core Xeon: t(4) read 0.80 of t(3), measured as cycles 1.40 of it); so the
@@ -48,6 +54,10 @@ class Profile:
     # costs given rather than measured (e.g. a test's): the policy keeps draft_ms instead of
     # learning the draft pass time from the clock, so its decisions are deterministic
     fixed: bool = False
+    readings: List[int] = field(default_factory=list)   # decodes timed per B
+    measured_at: float = 0.0                             # unix time
+    load: dict = field(default_factory=dict)             # profile_check.LoadWatch while it was measured
+    made_by: dict = field(default_factory=dict)          # profile_check.made_by()
 
     def cost_model(self) -> CostModel:
         return CostModel(self.verify_ms, draft_ms=[self.draft_ms], overhead_ms=self.overhead_ms)
@@ -170,7 +180,9 @@ def measure(sp, *, b_max: int = 32, repeats: int = 5, seed: int = 0,
             prop.propose(int(state["anchor"]), state["n0"], prop.max_draft())
             draft_times.append((time.perf_counter() - t0) * 1e3)
 
+    watch = profile_check.LoadWatch()
     times, _, prompt = _verify_curve(tgt, b_max, repeats, float("inf"), seed, progress, prefill, draft_round)
+    load = watch.stop()
     # per-cycle overhead: a short real generation
     overhead = 0.0
     done_gen = sp.generate(prompt.tolist(), 24, ignore_eos=True)
@@ -190,7 +202,12 @@ def measure(sp, *, b_max: int = 32, repeats: int = 5, seed: int = 0,
         verify_p90=[q(b, 90) for b in bs],
         draft_ms=float(np.median(draft_times)) if draft_times else 0.0,
         draft_spread=[float(np.percentile(draft_times, 10)), float(np.percentile(draft_times, 90))] if draft_times else [0.0, 0.0],
-        overhead_ms=overhead, repeats=repeats)
+        overhead_ms=overhead, repeats=repeats, **_provenance(times, bs, load))
+
+
+def _provenance(times, bs, load) -> dict:
+    return dict(readings=[len(times[b]) for b in bs], measured_at=round(time.time(), 1), load=load,
+                made_by=profile_check.made_by())
 
 
 def load_or_measure(sp, *, path=None, b_max: int = 32, repeats: int = 5, remeasure: bool = False,
@@ -228,10 +245,12 @@ def measure_target(target, *, b_max: int = AUTO_B_MAX, repeats: int = 5, budget_
     pass cost is left to the policy, which measures the draft actually in use on its first block.
     Uses (and clears) sequence 0 of the target."""
     b_max = max(1, min(b_max, target.n_batch))
+    watch = profile_check.LoadWatch()
     try:
         times, r, _ = _verify_curve(target, b_max, repeats, budget_s, seed, progress, focus=FOCUS_B)
     finally:
         target.seq_rm(0, 0, -1)
+    load = watch.stop()
     s = target.settings
     bs = list(range(1, b_max + 1))
     q = lambda b, p: float(np.percentile(times[b], p))  # noqa: E731
@@ -239,7 +258,7 @@ def measure_target(target, *, b_max: int = AUTO_B_MAX, repeats: int = 5, budget_
         key=target_key(target), settings=dict(target=target.path, draft=None, n_ctx=s.n_ctx, n_threads=s.n_threads,
                                               flash_attn=s.flash_attn, n_gpu_layers=s.placement(), b_max=b_max),
         batch_sizes=bs, verify_ms=[q(b, 50) for b in bs], verify_p10=[q(b, 10) for b in bs],
-        verify_p90=[q(b, 90) for b in bs], draft_ms=0.0, overhead_ms=0.0, repeats=r)
+        verify_p90=[q(b, 90) for b in bs], draft_ms=0.0, overhead_ms=0.0, repeats=r, **_provenance(times, bs, load))
 
 
 def target_key(target) -> str:
@@ -248,35 +267,62 @@ def target_key(target) -> str:
                        min(AUTO_B_MAX, target.n_batch))
 
 
+def _cached(target):
+    """(the cached auto curve for this target and settings, or None; why a cached one is not used)."""
+    key = target_key(target)
+    path = default_path(key)
+    if not path.exists():
+        return None, []
+    try:
+        prof = load(path)
+    except (ValueError, TypeError, json.JSONDecodeError) as e:
+        return None, [f"unreadable ({str(e)[:80]})"]
+    if prof.key != key:
+        return None, ["made for other settings"]
+    why = profile_check.stale(prof.made_by) + problems(prof)
+    return (None, why) if why else (prof, [])
+
+
 def known_profile(target) -> Optional[Profile]:
     """The profile :func:`auto_profile` returns without measuring ($PYLLAMA_DSPARK_COST_PROFILE or
-    the cached one for this target and settings), or None when it would have to measure."""
+    the cached one for this target and settings, if it passes :func:`problems` and was made by this
+    install), or None when it would have to measure."""
     env = os.environ.get(PROFILE_ENV)
     if env:
         return load(env)
-    key = target_key(target)
-    path = default_path(key)
-    if path.exists():
-        try:
-            prof = load(path)
-            if prof.key == key and plausible(prof):   # a flat curve cached before the check: measure again
-                return prof
-        except (ValueError, TypeError, json.JSONDecodeError):
-            pass
-    return None
+    return _cached(target)[0]
+
+
+def _notices(echo, progress: bool):
+    """(say, warn): where the measuring notice and the rejections go: ``echo`` when given; else
+    stderr with a progress bar, or without one (a library caller asked for quiet) this module's
+    logger (INFO / WARNING: Python prints warnings on stderr unless logging is configured)."""
+    if echo is not None:
+        return echo, echo
+    if progress:
+        out = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        return out, out
+    return log.info, log.warning
 
 
 def auto_profile(target, echo: Optional[Callable[[str], None]] = None, progress: bool = True) -> Profile:
     """The cost profile the automatic schedule uses for this target and settings: the file in
     $PYLLAMA_DSPARK_COST_PROFILE, else the cached one, else measured now (<= ~20 s, a progress bar
-    on stderr) and cached."""
-    prof = known_profile(target)
+    on stderr unless ``progress`` is False) and cached when :func:`problems` finds nothing wrong
+    with it (else measured once more, and a second rejected curve is used for this run only)."""
+    env = os.environ.get(PROFILE_ENV)
+    if env:
+        return load(env)
+    prof, why = _cached(target)
     if prof is not None:
         return prof
     path = default_path(target_key(target))
-    say = echo or (lambda m: print(m, file=sys.stderr, flush=True))
-    say(f"pyllama-dspark: measuring this machine's verify cost curve for {os.path.basename(target.path)} "
-        f"(target decodes of 1..{min(AUTO_B_MAX, target.n_batch)} rows, once; cached in {path})")
+    say, warn = _notices(echo, progress)
+    if why:
+        warn(f"pyllama-dspark: the cached verify cost curve ({path}) is not used: {'; '.join(why)}")
+    say(f"pyllama-dspark: measuring this machine's verify cost curve for "
+        f"{os.path.basename(target.path or '?')} (target decodes of 1..{min(AUTO_B_MAX, target.n_batch)} rows, "
+        f"once; cached in {path})")
     bar = None
     if progress:
         from tqdm import tqdm
@@ -289,24 +335,67 @@ def auto_profile(target, echo: Optional[Callable[[str], None]] = None, progress:
     prof = measure_target(target, progress=tick if bar is not None else None)
     if not plausible(prof):
         # a busy machine (llama.cpp's threads spin-wait behind other processes) makes every decode
-        # equally slow: cached, that curve would make drafting look free for good
-        say("pyllama-dspark: the measured curve is flat, as on a busy machine; measuring once more")
+        # wait alike: cached, that curve would steer every later run
+        warn(f"pyllama-dspark: the measured verify cost curve is rejected ({'; '.join(problems(prof)) or 'implausible'}); "
+             f"measuring once more")
         prof = measure_target(target, progress=tick if bar is not None else None)
     if bar is not None:
         bar.close()
     if plausible(prof):
         save(prof, path)
     else:
-        say("pyllama-dspark: the verify cost curve is still flat: used for this run only, not cached "
-            "(measure on an idle machine)")
+        warn(f"pyllama-dspark: the verify cost curve is rejected again ({'; '.join(problems(prof)) or 'implausible'}): "
+             f"used for this run only, not cached (measure on an idle machine)")
     return prof
 
 
+def problems(prof: Profile) -> List[str]:
+    """Why a measured curve cannot be cached (:mod:`.profile_check`): contention while it was
+    measured; on a CPU, a shape no quiet machine gives (flat, a size out of line, superlinear) or
+    a spread that is mostly noise.  A curve given rather than measured (``fixed``) is taken as is."""
+    if prof.fixed:
+        return []
+    threads = int(prof.settings.get("n_threads") or 0)
+    if threads <= 0:
+        from pyllama_dspark.llama.settings import default_threads
+
+        threads = default_threads()
+    out = profile_check.contention(prof.load or {}, threads)
+    ngl = prof.settings.get("n_gpu_layers")
+    if int((ngl[0] if isinstance(ngl, list) else ngl) or 0) > 0:
+        return out   # GPU curves can be flat and jitter on their own
+    return out + profile_check.shape(prof.verify_ms, prof.verify_p10, prof.verify_p90, prof.readings)
+
+
 def plausible(prof: Profile) -> bool:
-    """Whether a measured curve can be cached: on a CPU, verifying B >= 4 rows costs clearly more
-    than one (compute-bound small models ~B times, memory-bound large ones still several times at
-    B = 32); a curve within 1.5x of flat there is what contention gives.  GPU curves can be flat."""
-    v = prof.verify_ms
-    if int(prof.settings.get("n_gpu_layers") or 0) > 0 or len(v) < 4:
-        return True
-    return v[-1] >= 1.5 * v[0]
+    """Whether a measured curve can be cached: :func:`problems` finds nothing."""
+    return not problems(prof)
+
+
+def save_for_auto(prof: Profile, target) -> Optional[Path]:
+    """Also keep a full profile's verify curve (``pyllama-dspark profile``, measured with a draft)
+    where the automatic schedule reads its curve for this target and settings (the draft pass is
+    left to the policy, which measures the draft in use); None when the profile's sizes do not
+    reach auto's or it has problems."""
+    b = min(AUTO_B_MAX, target.n_batch)
+    if len(prof.verify_ms) < b or not plausible(prof):
+        return None
+    s = dict(prof.settings, draft=None, b_max=b)
+    auto = Profile(**dict(asdict(prof), key=target_key(target), settings=s, verify_ms=prof.verify_ms[:b],
+                          verify_p10=prof.verify_p10[:b], verify_p90=prof.verify_p90[:b], batch_sizes=prof.batch_sizes[:b],
+                          readings=list(prof.readings[:b]), draft_ms=0.0, draft_spread=[0.0, 0.0], overhead_ms=0.0))
+    path = default_path(auto.key)
+    save(auto, path)
+    return path
+
+
+def forget(path, why: str) -> bool:
+    """Remove a cached curve that live cycles contradicted (the next process measures it again; a
+    running one never does): True when there was one.  Says why through the logger."""
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    log.warning("pyllama-dspark: the cached verify cost curve %s is dropped: %s; the next run measures it again",
+                path, why)
+    return True

@@ -28,6 +28,8 @@ from typing import Optional
 
 import numpy as np
 
+from pyllama_dspark.speculative import heal
+
 #: a cell's estimate is the median of its first this many cycles
 MEDIAN_SAMPLES = 5
 #: a drafting cell is planned optimistically until measured this many times (policy.EXPLORE_BAND's
@@ -82,6 +84,7 @@ def observe(p, n_requests: int, n_rows: int, ms: float) -> None:
     plain = n_rows == n_requests
     cell = (n_requests, n_rows)
     old, seen = p._cycle_ms.get(cell, (None, 0))
+    measured = ms
     if old is not None:
         ms = min(ms, STALL_CAP * old)
     raw = p._cycle_raw.setdefault(cell, [])
@@ -109,6 +112,7 @@ def observe(p, n_requests: int, n_rows: int, ms: float) -> None:
         if p.extra_estimate(n_requests) != (0.0, 0.0):
             p._version += 1
             p._cost_bumps += 1
+    heal.cycle(p, cell, measured)
 
 
 def curve_speed(p, r: int) -> float:

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from pyllama_dspark.speculative import cycle_costs, policy_memory, probes
+from pyllama_dspark.speculative import cycle_costs, heal, policy_memory, probes
 from pyllama_dspark.speculative.cycle_costs import EXPLORE_SAMPLES
 from pyllama_dspark.speculative.schedule import CostModel, apply_sts, schedule, static_cut, survival, survival_cut
 
@@ -111,6 +111,12 @@ class VerifyPolicy:
     _tried: dict = field(default_factory=dict, repr=False)  # (R, block) -> cycles it was tried to measure it
     _conf_seen: bool = False       # the proposals carry confidences (verification may go past the plan)
     memory_path: Optional[str] = field(default=None, repr=False)   # where .policy_memory keeps what it learned
+    memory_about: Optional[dict] = field(default=None, repr=False)  # what that file is for (profile --show)
+    profile_path: Optional[str] = field(default=None, repr=False)   # the cached curve this policy plans on
+    profile_stale: Optional[str] = field(default=None, repr=False)  # why live cycles contradict it (.heal)
+    _restored_cells: set = field(default_factory=set, repr=False)   # cycle cells from an earlier process (.heal)
+    _heal: dict = field(default_factory=dict, repr=False)           # their samples here, and the draft's (.heal)
+    _heal_probe: set = field(default_factory=set, repr=False)       # probe kinds whose loss was restored (.heal)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -191,6 +197,7 @@ class VerifyPolicy:
             # rows injected): with a figure learned by an earlier process, it is not what drafting
             # costs here, but what it costs over it is a process's first probe's (:meth:`_budget_gap`)
             self._observe_cold(ms - self.draft_estimate(n_requests, n_draft))
+            heal.cold_pass(self, n_requests, ms / self.block_factor(n_draft), self.draft_estimate(n_requests))
             return
         raw = ms if self._draft_passes == 1 else max(0.0, ms - max(0.0, float(caught_ms)))
         ms = raw / self.block_factor(n_draft)
@@ -205,6 +212,7 @@ class VerifyPolicy:
         # everywhere (kernels change with the batch), so a measured size beats the scaled estimate
         old_n = self._draft_ms_n.get(key)
         self._draft_ms_n[key] = raw if old_n is None else cycle_costs.log_step(old_n, raw, 0.2)
+        heal.warm_pass(self, n_requests, ms)
         self._version += 1
 
     def _observe_cold(self, extra_ms: float) -> None:

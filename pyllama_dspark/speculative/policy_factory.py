@@ -81,7 +81,8 @@ def make_policy(target, draft, schedule=None, *, proposer=None, cost_profile=Non
                 conf_min: Optional[float] = None, p_survival_min: Optional[float] = None,
                 calibration: Optional[str] = None, gamma: int = 7, on_measured: Optional[Callable[[], None]] = None,
                 measure_full: Optional[Callable[[], object]] = None, regime: str = "any",
-                remember: bool = True, echo: Optional[Callable[[str], None]] = None) -> Optional[VerifyPolicy]:
+                remember: bool = True, echo: Optional[Callable[[str], None]] = None,
+                progress: bool = True) -> Optional[VerifyPolicy]:
     """The VerifyPolicy for ``target`` (an open Target) and ``draft`` (an open Draft or None).
 
     ``schedule``: a mode name (None: :func:`pick_mode`), or a VerifyPolicy (returned as is).
@@ -92,7 +93,9 @@ def make_policy(target, draft, schedule=None, *, proposer=None, cost_profile=Non
     ``measure_full``: returns the full profile (target and draft) the ``profiled`` / ``static``
     modes without ``cost_profile`` use.  ``regime``: ``greedy`` / ``sampled`` / ``any``, part of the
     memory key.  ``remember``: start from, and keep, what earlier processes learned (only for the
-    cached auto curve: a given profile is a test's or an experiment's).
+    cached auto curve: a given profile is a test's or an experiment's).  ``echo`` / ``progress``:
+    where a first-use measurement says so (:func:`.costprofile.auto_profile`; ``progress`` False:
+    no progress bar, the notices through ``logging``, as a library called with ``verbose=False``).
 
     Raises ValueError on options that do not fit (a mode needing a draft or a confidence head,
     a threshold missing, a calibration with ``off``)."""
@@ -129,7 +132,7 @@ def make_policy(target, draft, schedule=None, *, proposer=None, cost_profile=Non
             return cost_profile
         if mode == "auto":
             fresh = on_measured is not None and costprofile.known_profile(target) is None
-            prof = costprofile.auto_profile(target, echo=echo)
+            prof = costprofile.auto_profile(target, echo=echo, progress=progress)
             if fresh:
                 on_measured()
             return prof
@@ -139,6 +142,9 @@ def make_policy(target, draft, schedule=None, *, proposer=None, cost_profile=Non
 
     policy = policy_for(mode, has_draft=True, has_confidence=proposer_confidence(proposer, draft), cost_source=cost,
                         conf_min=conf_min, p_survival_min=p_survival_min, temperatures=temps, gamma=gamma)
+    if policy is not None and cost_profile is None and mode == "auto" and os.environ.get(costprofile.PROFILE_ENV) is None:
+        # the cached curve: live cycles far off it drop it from the cache at close (cycle_costs.check_speed)
+        policy.profile_path = str(costprofile.default_path(costprofile.target_key(target)))
     if policy is not None and remember and cost_profile is None and mode == "auto":
         policy_memory.attach(policy, target, getattr(draft, "path", None), proposer_tag(proposer, draft), regime)
     return policy

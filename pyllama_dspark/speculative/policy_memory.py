@@ -19,12 +19,13 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from pyllama_dspark.speculative import costprofile
+from pyllama_dspark.speculative import costprofile, heal
 
 MEMORY_ENV = "PYLLAMA_DSPARK_SCHEDULE_MEMORY"
 MEMORY_VERSION = 1
@@ -55,6 +56,8 @@ def attach(policy, target, draft_path: Optional[str], proposer: str, regime: str
         return False
     path = memory_file(memory_key(target, draft_path, proposer, policy.gamma, policy.mode, regime))
     policy.memory_path = str(path)
+    policy.memory_about = dict(target=target.path, target_key=costprofile.target_key(target), draft=draft_path,
+                               proposer=proposer, gamma=int(policy.gamma), mode=policy.mode, regime=regime)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -67,6 +70,10 @@ def attach(policy, target, draft_path: Optional[str], proposer: str, regime: str
 def save(policy) -> bool:
     """Write what ``policy`` learned to its memory file (atomically; the last process to close
     wins).  Nothing is written for a policy that saw no cycle in this process."""
+    stale = getattr(policy, "profile_stale", None)
+    if stale and getattr(policy, "profile_path", None):
+        costprofile.forget(policy.profile_path, stale)   # at close: a running process never re-measures
+        policy.profile_path = None
     path = getattr(policy, "memory_path", None)
     if policy is None or not path or not enabled() or policy._cycles == 0:
         return False
@@ -75,7 +82,8 @@ def save(policy) -> bool:
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=p.name, suffix=".tmp", dir=p.parent)
         with os.fdopen(fd, "w") as f:
-            json.dump({"version": MEMORY_VERSION, "state": policy.learned()}, f)
+            json.dump({"version": MEMORY_VERSION, "about": getattr(policy, "memory_about", None),
+                       "saved_at": round(time.time(), 1), "state": policy.learned()}, f)
         os.replace(tmp, p)
     except OSError:   # a read-only cache: the next process learns again, nothing worse
         return False
@@ -163,4 +171,6 @@ def load_state(p, state: dict, acc_floor: float) -> bool:
     p._probe_gap = max(1, min(gap, 16 * max(1, p.probe_every)))
     p._skipped = max(0, min(skipped, 10 ** 9))
     p._version += 1
+    if p.learn_costs:
+        heal.restored(p)   # what live cycles will check, and learned costs no drafter can have
     return True

@@ -24,6 +24,7 @@ from typing import Optional
 
 import numpy as np
 
+from pyllama_dspark.speculative import heal
 from pyllama_dspark.speculative.schedule import survival
 
 #: while only cycle costs move, the gap is recomputed at most once in this many cycles (as a plain
@@ -33,6 +34,9 @@ REPLAN_PLAIN_CYCLES = 32
 RATE = 0.3
 #: one probe counts at most this many times the running loss (a stall is not what a probe costs)
 STALL_CAP = 3.0
+#: probes come at least every this many plain cycles, whatever the budget says: a learned cost too
+#: dear for drafting to ever be planned is measured again within that many cycles (.heal)
+MAX_PROBE_GAP_FACTOR = 16   # x probe_every (the cap of the policy's own back-off)
 
 
 def probe_block(p, n_requests: int, n_max: int):
@@ -86,6 +90,7 @@ def budget_gap(p, n_requests: int) -> int:
     if got is not None:
         probe = max(probe, got[0])
     gap = int(np.ceil(max(0.0, probe) / (max(p.probe_budget, 1e-6) * max(c.t_verify(r), 1e-6))))
+    gap = min(gap, MAX_PROBE_GAP_FACTOR * max(1, p.probe_every))
     p._gaps[r] = ((p._version, cold, first), gap, learned, p._cycles)
     return gap
 
@@ -116,6 +121,8 @@ def ended(p, n_requests: int, cycle_ms: float) -> Optional[float]:
         return None
     first, draft_ms, tokens = now
     loss = draft_ms + cycle_ms - tokens * plain_ms_per_token(p, n_requests)
+    if heal.probe_loss(p, first, loss):
+        return loss
     old = p._probe_ms.get(first)
     if old is None:
         p._probe_ms[first] = (loss, 1)
