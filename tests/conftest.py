@@ -63,6 +63,42 @@ LONGEST_FIRST = ("test_lossless.py", "test_parity_cpp.py", "test_tools_server.py
                  "test_sampling_draft.py")
 
 
+def _selects_readme(config) -> bool:
+    """Whether this session may run tests/test_readme.py (its file, its folder or the root named, or
+    nothing named)."""
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parent / "test_readme.py"
+    for arg in config.args or ["."]:
+        p = Path(str(arg).split("::")[0]).resolve()
+        if p == readme or (p.is_dir() and readme.is_relative_to(p)):
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """Every marked README / docs snippet runs once as a new user runs it (tests/first_run.py),
+    serially, here in the controller before any test worker starts; test_readme.py checks them."""
+    import atexit
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if hasattr(session.config, "workerinput") or not _selects_readme(session.config):
+        return
+    import first_run
+    from test_readme import SNIPPETS
+
+    from pyllama_dspark.gguf.testing import make_test_draft
+
+    base = Path(tempfile.mkdtemp(prefix="pyllama-dspark-first-run-"))
+    atexit.register(shutil.rmtree, base, True)
+    target = _smollm2_path()
+    draft = make_test_draft(target, base / "draft.gguf", kind="dspark", seed=0)
+    os.environ[first_run.RESULTS_ENV] = str(first_run.run_all(SNIPPETS, target, str(draft), base))
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: the rest keep their order

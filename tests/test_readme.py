@@ -1,10 +1,13 @@
 """The runnable snippets of the README and of the docs pages (docs/**/*.md) run as written.
 
 Convention: a line ``<!-- readme-test -->`` (invisible on GitHub and on the docs site) right before a
-fenced ```bash or ```python block marks it as runnable.  Each one runs in a fresh process, in a
-folder where ``target.gguf`` is the SmolLM2 test target and ``draft.gguf`` a random DSpark draft for
-it, against this checkout (PYTHONPATH); a ``pyllama-dspark`` command runs as ``python -m
-pyllama_dspark.cli.main`` (the console script's entry point), so the checkout's code is what runs.
+fenced ```bash or ```python block marks it as runnable.  Each one runs as a new user runs it
+(tests/first_run.py: a fresh cache folder, none of the suite's variables, the default schedule), in
+a fresh process, in a folder where ``target.gguf`` is the SmolLM2 test target and ``draft.gguf`` a
+random DSpark draft for it, against this checkout (PYTHONPATH); a ``pyllama-dspark`` command runs as
+``python -m pyllama_dspark.cli.main`` (the console script's entry point), so the checkout's code is
+what runs.  The runs happen once per session, serially, before the test workers start
+(conftest.pytest_sessionstart); the tests here check what they printed.
 A snippet that appears word for word in several places (the README's examples are repeated in
 docs/usage.md) runs once, under the ids of all its places.  What each snippet prints is checked too:
 a bash command by its subcommand, a Python snippet by a line of its code (``CHECKS``).
@@ -12,14 +15,13 @@ a bash command by its subcommand, a Python snippet by a line of its code (``CHEC
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import first_run
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "<!-- readme-test -->"
@@ -82,31 +84,6 @@ def test_marker_parser():
         marked_snippets(f"{MARK}\ntext\n")
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory, target_path, dspark_draft_path):
-    d = tmp_path_factory.mktemp("readme")
-    os.symlink(target_path, d / "target.gguf")
-    os.symlink(dspark_draft_path, d / "draft.gguf")
-    return d
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def _bash_commands(code: str):
-    for line in code.splitlines():
-        line = line.split(" #", 1)[0].strip()
-        if not line or line.startswith("#"):
-            continue
-        argv = shlex.split(line)
-        if argv[0] == "pyllama-dspark":
-            argv = [sys.executable, "-m", "pyllama_dspark.cli.main"] + argv[1:]
-        yield argv
-
-
 def _user(text):
     return [{"role": "user", "content": text}]
 
@@ -125,7 +102,7 @@ def _opt(argv, *names, default=None):
 def _check_run_cli(argv, out, err, refs, cwd):
     """`pyllama-dspark run` (temperature 0.8 by default, so the text itself cannot be predicted
     unless --temp 0): the prompt is llama-cpp-python's chat prompt for -p (its completion prompt with
-    --raw), at most -n tokens came out, drafts were made when a draft is named (none without), and
+    --raw), at most -n tokens came out, none drafted without a draft, and
     stdout is the text the stats line counts (with --json: one JSON object holding text and stats)."""
     prompt, n = _opt(argv, "-p", "--prompt"), int(_opt(argv, "-n", "--n-predict"))
     raw, drafting = "--raw" in argv, _opt(argv, "-md", "--model-draft") is not None and "--no-draft" not in argv
@@ -145,7 +122,10 @@ def _check_run_cli(argv, out, err, refs, cwd):
     want = refs.completion_tokens(prompt) if raw else refs.chat_tokens(_user(prompt))
     assert n_prompt == len(want), "not the prompt llama-cpp-python builds"
     assert 1 <= n_gen <= n and 0 <= accepted <= drafted
-    assert (drafted > 0) if drafting else (drafted == 0), (drafting, drafted)
+    # a draft named: the auto schedule decides (a process that starts from what earlier ones learned
+    # about a random draft may draft nothing); none named: nothing drafted
+    if not drafting:
+        assert drafted == 0, drafted
     assert text.strip() and len(refs.llm.tokenize(text.strip().encode(), add_bos=False)) <= n + 2
     if _opt(argv, "--temp") == "0" and not raw and not _opt(argv, "-md", "--model-draft", default="").startswith("oracle"):
         ref = _chat_ref(refs, prompt, n)
@@ -220,24 +200,51 @@ CHECKS = [
 ]
 
 
+def _user_results(lang, code, where, tmp_path):
+    """What the snippet printed run as a user runs it: the controller's first run
+    (conftest.pytest_sessionstart, before the workers start), else run here the same way."""
+    got = first_run.results()
+    if got is not None and where[0] in got:
+        return got[where[0]]
+    from conftest import _smollm2_path
+    from pyllama_dspark.gguf.testing import make_test_draft
+
+    target = _smollm2_path()
+    draft = make_test_draft(target, tmp_path / "draft.gguf", kind="dspark", seed=0)
+    return first_run.run_one(lang, code, target, str(draft), tmp_path)
+
+
 @pytest.mark.parametrize("lang, code, where", SNIPPETS, ids=["+".join(w) for _, _, w in SNIPPETS])
-def test_snippet_runs(lang, code, where, workdir, llama_refs):
+def test_snippet_runs(lang, code, where, llama_refs, tmp_path):
+    """Each snippet as a new user runs it: a fresh cache folder, none of the suite's variables (no
+    fake cost profile, the schedule's memory on), the default schedule; it prints what it should,
+    a snippet that drafts leaves the measured cost curve in its cache, and a ``Llama(verbose=False)``
+    prints no progress bar."""
     at = where[0]
-    if lang == "python":
-        runs = [[sys.executable, "-c", code]]
-    elif lang == "bash":
-        runs = list(_bash_commands(code))
-    else:
+    if lang not in ("python", "bash"):
         raise AssertionError(f"{at}: no runner for ```{lang}")
-    for argv in runs:
-        p = subprocess.run(argv, cwd=workdir, env=_env(), capture_output=True, text=True, timeout=900)
-        assert p.returncode == 0, f"{at}: {shlex.join(argv[3:] or argv)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
-        assert p.stdout.strip(), f"{at} printed nothing"
+    res = _user_results(lang, code, where, tmp_path)
+    # the suite's global fixtures must not be what makes a user path pass
+    assert set(res["env_keys"]) <= set(first_run.KEEP), res["env_keys"]
+    assert "PYLLAMA_DSPARK_COST_PROFILE" not in res["env_keys"]
+    assert res["runs"], f"{at}: nothing ran"
+    cwd = Path(res["cwd"])
+    for run in res["runs"]:
+        argv = run["argv"]
+        assert run["rc"] == 0, f"{at}: {shlex.join(argv[3:] or argv)} failed ({run['rc']}):\n{run['stdout']}\n{run['stderr']}"
+        assert run["stdout"].strip(), f"{at} printed nothing"
         if lang == "bash":
             check = BASH_CHECKS.get(argv[3])
             assert check, f"{at}: no output check for {argv[3:]} (add one to BASH_CHECKS)"
-            check(argv, p.stdout, p.stderr, llama_refs, workdir)
+            check(argv, run["stdout"], run["stderr"], llama_refs, cwd)
         else:
             checks = [fn for needle, fn in CHECKS if needle in code]
             assert len(checks) == 1, f"{at}: no output check for this snippet (add one to CHECKS)"
-            checks[0](p.stdout, llama_refs)
+            checks[0](run["stdout"], llama_refs)
+    drafts = "draft.gguf" in code or "-md " in code
+    if drafts and "--schedule" not in code:
+        curves = [f for f in res["profiles"] if not f.startswith("learned-")]
+        assert curves, f"{at}: the auto schedule measured no cost curve into the fresh cache {res['profiles']}"
+    if "verbose=False" in code:
+        err = "".join(r["stderr"] for r in res["runs"])
+        assert "cost profile" not in err and "decode/s" not in err, f"{at}: a progress bar with verbose=False:\n{err}"

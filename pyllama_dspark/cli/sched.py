@@ -60,9 +60,15 @@ def common(f):
 @click.option("--repeats", type=int, default=5, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Profile file (default: the cache, keyed by models and settings).")
+@click.option("--show", is_flag=True,
+              help="Measure nothing: print the cached curve the auto schedule uses for this target and these "
+                   "settings (spread, verdict, when and under which load it was measured) and what auto learned.")
+@click.option("--reset", is_flag=True,
+              help="Measure nothing: delete the cached curves and what auto learned for this target (every "
+                   "setting and draft); the next run measures and learns again.")
 @ngl_option
 @offload_options
-def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output, n_gpu_layers, offload):
+def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output, show, reset, n_gpu_layers, offload):
     """Measure this machine's cost curve: target decode ms per verify batch B, draft block, overhead."""
     from tqdm import tqdm
 
@@ -70,6 +76,21 @@ def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output
     from pyllama_dspark.decode.api import Speculator
 
     target = _target_path(model)
+    if show or reset:
+        from pyllama_dspark.speculative import profile_report
+
+        if show and reset:
+            raise click.UsageError("--show and --reset: one at a time")
+        if reset:
+            click.echo(profile_report.reset(target))
+            return
+        try:   # the target opened as a run opens it: its settings as loaded pick the curve
+            with Speculator(target, None, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, schedule="off",
+                            n_gpu_layers=n_gpu_layers, **offload) as sp:
+                click.echo(profile_report.show(sp.target))
+        except DSparkError as e:
+            raise click.ClickException(str(e))
+        return
     try:
         with Speculator(target, _draft_path(draft, target), n_ctx=n_ctx, n_threads=threads,
                         flash_attn=flash_attn, schedule="off", n_gpu_layers=n_gpu_layers, **offload) as sp:
@@ -82,10 +103,17 @@ def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output
             bar.close()
             path = output or costprofile.default_path(prof.key)
             costprofile.save(prof, path)
+            # what auto reads: the same curve under the target's own key (a draft's pass is learned live)
+            auto_path = costprofile.save_for_auto(prof, sp.target)
     except DSparkError as e:
         raise click.ClickException(str(e))
     click.echo(prof.table())
     click.echo(f"saved {path}")
+    why = costprofile.problems(prof)
+    if auto_path is not None:
+        click.echo(f"saved {auto_path} (the curve the auto schedule reads)")
+    elif why:
+        click.echo(f"not kept for the auto schedule: {'; '.join(why)}", err=True)
 
 
 @click.command("calibrate")

@@ -28,7 +28,8 @@ import numpy as np
 from pyllama_dspark.speculative import costprofile, heal
 
 MEMORY_ENV = "PYLLAMA_DSPARK_SCHEDULE_MEMORY"
-MEMORY_VERSION = 1
+#: 2: a file says what it is for (``about``: target, draft, proposer, ...; ``profile --show / --reset``)
+MEMORY_VERSION = 2
 
 
 def enabled() -> bool:
