@@ -49,7 +49,8 @@ os.environ.setdefault("PYLLAMA_DSPARK_SCHEDULE_MEMORY", "0")
 # first: with --no-loadscope-reorder (pyproject) pytest-xdist hands each worker the next file in
 # collection order once it is nearly done with its last, so the longest first leaves the short
 # ones to even out the end (a long file collected last would leave one worker running it alone)
-LONGEST_FIRST = ("test_lossless.py", "test_parity_cpp.py", "test_tools_server.py", "test_sampling_blocks.py",
+LONGEST_FIRST = ("test_lossless.py", "test_parity_cpp.py", "test_tools_server.py", "test_schedule_heal.py",
+                 "test_sampling_blocks.py",
                  "test_sampling_e2e.py", "test_backend_sampling.py", "test_tools_dspark.py", "test_draft_types.py",
                  "test_oracle_reanchor.py",
                  "test_integration_dspark.py", "test_serve.py", "test_integration_plugin.py", "test_batch.py",
@@ -60,7 +61,7 @@ LONGEST_FIRST = ("test_lossless.py", "test_parity_cpp.py", "test_tools_server.py
                  "test_drafts.py", "test_sampling_engine.py", "test_interop_outtypes.py", "test_auto_schedule.py",
                  "test_penalties_greedy.py", "test_fuzz_gguf.py", "test_sampling_rule.py", "test_info_store.py",
                  "test_engine_scenarios.py", "test_oracle_and_memory.py", "test_fuzz_utf8.py",
-                 "test_sampling_draft.py")
+                 "test_sampling_draft.py", "test_heal_units.py")
 
 
 def _selects_readme(config) -> bool:

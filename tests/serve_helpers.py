@@ -26,7 +26,7 @@ def free_port() -> int:
 
 class ServeProcess:
     def __init__(self, target: str, draft: Optional[str], log_path: Path, *, n_slots: int = 1, n_ctx: int = 1024,
-                 extra: Sequence[str] = (), startup_timeout: float = 180.0):
+                 extra: Sequence[str] = (), startup_timeout: float = 180.0, env: Optional[dict] = None):
         self.extra = list(extra)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -37,7 +37,7 @@ class ServeProcess:
         cmd += list(extra)
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, cwd=str(Path(__file__).resolve().parent.parent))
         deadline = time.monotonic() + startup_timeout

@@ -94,12 +94,21 @@ def test_a_restored_drafting_cell_is_judged_on_its_first_cycles():
 
 def test_probes_come_within_the_bound_whatever_the_learned_loss():
     p = _restored(_learned(probe_ms={"1": [5000.0, 10]}))   # a process's first probe (its pass is cold)
-    assert probes.budget_gap(p, 1) <= probes.MAX_PROBE_GAP_FACTOR * p.probe_every
+    assert probes.budget_gap(p, 1) == probes.MAX_PROBE_GAP   # 5 s a probe: ~100,000 cycles by the budget
+    fresh = _policy()
+    fresh._draft_ms, fresh._draft_passes, fresh._probe_ms = {1: 1.5}, 2, {False: (5000.0, 10)}
+    assert probes.budget_gap(fresh, 1) > probes.MAX_PROBE_GAP, "figures measured here: the budget alone"
     probes.begin(p)
     probes.drafted(p, 1.5)
     probes.accepted(p, 0)
     probes.ended(p, 1, 10.0)   # the first probe here lost ~6 ms, not 5 s: it replaces the learned loss
     assert p._probe_ms[True][0] < 10.0
+    q = _restored(_learned(probe_ms={"1": [5.0, 10]}))
+    probes.begin(q)
+    probes.drafted(q, 1000.0)   # a stalled first probe: no heal upward, the stall cap as before
+    probes.accepted(q, 0)
+    probes.ended(q, 1, 10.0)
+    assert q._probe_ms[True][0] <= 5.0 + 0.3 * (3 * 5.0 - 5.0) + 1e-9
 
 
 def test_live_plain_cycles_far_off_the_cached_curve_drop_it_at_close(tmp_path, monkeypatch):

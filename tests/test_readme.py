@@ -143,8 +143,18 @@ def _check_make_test_draft(argv, out, err, refs, cwd):
     assert path.is_file() and read_draft_info(str(path)) is not None, out
 
 
+def _check_profile(argv, out, err, refs, cwd):
+    """``profile --show`` in a fresh cache: the curve auto would use is not there yet, nothing learned;
+    ``--reset``: says what it removed."""
+    if "--show" in argv:
+        assert "none cached" in out and "nothing yet" in out, out
+    else:
+        assert "--reset" in argv and "removed 0 cost curve(s) and 0 learned state(s)" in out, out
+
+
 #: what each bash command must print, by its subcommand
-BASH_CHECKS = {"run": _check_run_cli, "inspect": _check_inspect, "make-test-draft": _check_make_test_draft}
+BASH_CHECKS = {"run": _check_run_cli, "inspect": _check_inspect, "make-test-draft": _check_make_test_draft,
+               "profile": _check_profile}
 
 
 def _check_plugin(out, refs):

@@ -19,8 +19,9 @@ that drafting which pays would never be taken again.  The checks, each bounded (
 * **the cached curve**: plain cycles of one sequence that run at less than 1 / STALE_FASTER or more
   than STALE_SLOWER of its t(1) mark it stale; it is dropped from the cache at close, and the next
   process measures it again (a running process never re-measures);
-* probes come at least every MAX_PROBE_GAP plain cycles (:func:`.probes.budget_gap`), so a learned
-  figure too dear to ever plan drafting is measured again within that many cycles.
+* while a learned draft pass or probe loss is not measured in this process, probes come at least
+  every :data:`.probes.MAX_PROBE_GAP` plain cycles (:func:`.probes.budget_gap`), so a learned figure
+  too dear to ever plan drafting is measured again within that many cycles.
 """
 
 from __future__ import annotations
@@ -142,13 +143,14 @@ def warm_pass(p, r: int, ms_full: float) -> bool:
 
 
 def probe_loss(p, first: bool, loss: float) -> bool:
-    """A probe of kind ``first`` lost ``loss`` ms: True when it replaced a learned loss it contradicts
-    (the first probe of that kind in this process only)."""
+    """A probe of kind ``first`` lost ``loss`` ms: True when it replaced a learned loss it shows too
+    dear by more than HEAL_FACTOR (the first probe of that kind in this process only; a dearer probe
+    is a stall as before, capped by the running loss: one slow probe must not poison it again)."""
     if first not in p._heal_probe:
         return False
     p._heal_probe.discard(first)
     old = p._probe_ms.get(first)
-    if old is None or not (old[0] > 0 and (loss <= 0 or _off(loss, old[0]))):
+    if old is None or not (old[0] > 0 and loss < old[0] / HEAL_FACTOR):
         return False
     p._probe_ms[first] = (loss, 1)
     p._version += 1

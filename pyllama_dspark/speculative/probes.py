@@ -34,9 +34,12 @@ REPLAN_PLAIN_CYCLES = 32
 RATE = 0.3
 #: one probe counts at most this many times the running loss (a stall is not what a probe costs)
 STALL_CAP = 3.0
+#: while a draft pass or a probe loss learned by an earlier process is not measured in this one,
 #: probes come at least every this many plain cycles, whatever the budget says: a learned cost too
-#: dear for drafting to ever be planned is measured again within that many cycles (.heal)
-MAX_PROBE_GAP_FACTOR = 16   # x probe_every (the cap of the policy's own back-off)
+#: dear for drafting to ever be planned is measured again within that many cycles (.heal).  Above
+#: the budget's own gap for a drafter that does not pay (~470 cycles for the random SmolLM2 draft):
+#: it bounds a poisoned figure, it does not add probes where the figures are right
+MAX_PROBE_GAP = 1024
 
 
 def probe_block(p, n_requests: int, n_max: int):
@@ -90,7 +93,8 @@ def budget_gap(p, n_requests: int) -> int:
     if got is not None:
         probe = max(probe, got[0])
     gap = int(np.ceil(max(0.0, probe) / (max(p.probe_budget, 1e-6) * max(c.t_verify(r), 1e-6))))
-    gap = min(gap, MAX_PROBE_GAP_FACTOR * max(1, p.probe_every))
+    if (p._restored_draft and p._draft_passes == 0) or first in p._heal_probe:
+        gap = min(gap, MAX_PROBE_GAP)   # a learned figure not measured here yet (.heal)
     p._gaps[r] = ((p._version, cold, first), gap, learned, p._cycles)
     return gap
 
