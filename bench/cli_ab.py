@@ -53,7 +53,9 @@ def fresh_caches(root: Path, names) -> None:
 
 
 def run(code: Path, cache: Path, args) -> tuple:
-    out, _ = run_cli(args, env=dict(os.environ, PYTHONPATH=str(code), PYLLAMA_DSPARK_CACHE=str(cache)))
+    # run beside the snapshot, not in this checkout: ``python -m`` puts the working folder first on sys.path
+    out, _ = run_cli(args, env=dict(os.environ, PYTHONPATH=str(code), PYLLAMA_DSPARK_CACHE=str(cache)),
+                     cwd=code.parent)
     return out["stats"]["tokens_per_second"], out["stats"].get("drafted", 0)
 
 

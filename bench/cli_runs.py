@@ -28,12 +28,13 @@ from pyllama_dspark.paths import cache_dir, default_draft
 from pyllama_dspark.prompts import load_prompts
 
 
-def run_cli(args, env=None):
-    """One ``pyllama-dspark run`` process (``env``: its environment, default this one's): its
-    ``--json`` output and wall time."""
+def run_cli(args, env=None, cwd=None):
+    """One ``pyllama-dspark run`` process (``env``: its environment, default this one's; ``cwd``: its
+    working folder, which ``python -m`` puts before PYTHONPATH on sys.path): its ``--json`` output
+    and wall time."""
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", "run", *args], capture_output=True,
-                       text=True, timeout=900, env=env)
+                       text=True, timeout=900, env=env, cwd=cwd)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-2000:])

@@ -39,7 +39,8 @@ def run(code: Path, cache: Path, target, draft, n: int, threads: int) -> dict:
     argv = [sys.executable, "-m", "pyllama_dspark.cli.main", "run", "-md", draft, "-p", PROMPT, "-n", str(n),
             "--temp", "0", "--ignore-eos", "-c", "2048", "-t", str(threads), "--json"] + (["-m", target] if target else [])
     t0 = time.perf_counter()
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
+    # a neutral folder: ``python -m`` puts the working folder first on sys.path, before PYTHONPATH
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, cwd=cache.parent)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-2000:])
@@ -70,17 +71,24 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--lengths", default="128,1024")
+    ap.add_argument("--only-old", action="store_true", help="run the --old revision alone")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        codes = {"this": REPO}
+        codes = {} if a.only_old and a.old else {"this": REPO}
         if a.old:
             codes["old " + a.old] = snapshot(a.old, tmp / "old")
         rows = []
         for label, code in codes.items():
             clean = tmp / f"clean-{len(rows)}"
-            run(code, clean, a.model, a.draft, 64, a.threads)   # a first run measures the curve and learns
+            for _ in range(3):   # a first run measures the curve and learns (a busy machine's curve is not cached)
+                run(code, clean, a.model, a.draft, 64, a.threads)
+                if any(not f.name.startswith("learned-") for f in (clean / "profiles").glob("*.json")):
+                    break
+                print("the first run's curve was rejected (is the machine idle?): again", flush=True)
+            else:
+                raise SystemExit("no curve cached after 3 first runs: run this on an idle machine")
             for name in ["clean"] + list(POISONS):
                 for n in lengths:
                     got = []
