@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from first_run import user_env
 from poison import POISONS
 from pyllama_dspark.speculative import costprofile
 
@@ -38,17 +38,10 @@ PROMPT = "Write a short story about a dragon who learns to paint."
 N = 16
 
 
-def _user_env(cache: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYLLAMA_DSPARK_")}
-    env["PYLLAMA_DSPARK_CACHE"] = str(cache)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _run(target, cache: Path) -> dict:
     argv = [sys.executable, "-m", "pyllama_dspark.cli.main", "run", "-m", target, "-md", "oracle:0.9", "-p", PROMPT,
             "-n", "192", "--temp", "0", "--ignore-eos", "-t", "1", "-c", "1024", "--json"]
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=_user_env(cache), cwd=ROOT)
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=user_env(cache), cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
     out["stderr"] = p.stderr

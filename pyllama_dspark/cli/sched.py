@@ -109,11 +109,10 @@ def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output
         raise click.ClickException(str(e))
     click.echo(prof.table())
     click.echo(f"saved {path}")
-    why = costprofile.problems(prof)
     if auto_path is not None:
         click.echo(f"saved {auto_path} (the curve the auto schedule reads)")
-    elif why:
-        click.echo(f"not kept for the auto schedule: {'; '.join(why)}", err=True)
+    elif costprofile.problems(prof):
+        click.echo(f"not kept for the auto schedule: {'; '.join(costprofile.problems(prof))}", err=True)
 
 
 @click.command("calibrate")

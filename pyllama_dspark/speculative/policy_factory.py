@@ -143,7 +143,7 @@ def make_policy(target, draft, schedule=None, *, proposer=None, cost_profile=Non
     policy = policy_for(mode, has_draft=True, has_confidence=proposer_confidence(proposer, draft), cost_source=cost,
                         conf_min=conf_min, p_survival_min=p_survival_min, temperatures=temps, gamma=gamma)
     if policy is not None and cost_profile is None and mode == "auto" and os.environ.get(costprofile.PROFILE_ENV) is None:
-        # the cached curve: live cycles far off it drop it from the cache at close (cycle_costs.check_speed)
+        # the cached curve: live cycles far off it drop it from the cache at close (heal.cycle)
         policy.profile_path = str(costprofile.default_path(costprofile.target_key(target)))
     if policy is not None and remember and cost_profile is None and mode == "auto":
         policy_memory.attach(policy, target, getattr(draft, "path", None), proposer_tag(proposer, draft), regime)
