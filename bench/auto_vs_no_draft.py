@@ -26,7 +26,8 @@ from pyllama_dspark.decode.loop import Decoder
 from pyllama_dspark.llama.handles import ContextSettings
 from pyllama_dspark.llama.models import open_models
 from pyllama_dspark.speculative.oracle import OracleProposer
-from pyllama_dspark.paths import default_draft, default_target, random_draft_for
+from pyllama_dspark.drafts.made import random_draft_for
+from pyllama_dspark.paths import default_draft, default_target
 from pyllama_dspark.speculative.policy_factory import policy_for
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.speculative.sampling_params import SamplingParams

@@ -3,7 +3,7 @@
     python bench/draft_pass_temp.py [--target /tmp/g4.gguf] [--draft PATH] [--passes 40] [--threads 2]
 
 Opens a target (default: a random gemma4 target, vocabulary 262,144, written to /tmp/g4.gguf by
-``make_test_target`` if missing) with a random DSpark draft (``paths.random_draft_for``, or
+``make_test_target`` if missing) with a random DSpark draft (``drafts.made.random_draft_for``, or
 ``--draft``), injects a prompt's features, then times ``DraftModelProposer.propose_batch`` for a
 full block (n_draft = the draft's maximum, 7) at T = 0 (argmax rows) and at T = 0.8 with
 llama.cpp's default chain (top-k 40, top-p 0.95, min-p 0.05), interleaved (the order alternates
@@ -31,7 +31,7 @@ import numpy as np
 
 from pyllama_dspark.gguf.info import read_draft_info
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
-from pyllama_dspark.paths import random_draft_for
+from pyllama_dspark.drafts.made import random_draft_for
 from pyllama_dspark.speculative import draft_sampling as ds
 from pyllama_dspark.speculative.drafter import BlockRequest, DraftModelProposer
 from pyllama_dspark.speculative.sampling import TokenSampler

@@ -16,7 +16,8 @@ import argparse
 import statistics
 
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.paths import default_target, random_draft_for
+from pyllama_dspark.drafts.made import random_draft_for
+from pyllama_dspark.paths import default_target
 
 PROMPT = "Write a long, detailed essay about the history of the printing press in Europe."
 

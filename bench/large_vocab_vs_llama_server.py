@@ -23,8 +23,8 @@ from pathlib import Path
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.gguf.target_writer import make_test_target
 from pyllama_dspark.speculative.sampling_params import SamplingParams
-from pyllama_dspark.tools.llama_server import LlamaServer
-from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+from pyllama_dspark.upstream.llama_server import LlamaServer
+from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
 CHAINS = {
     "T0.8 top-k 0 top-p 0.9 min-p 0": dict(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0),

@@ -17,9 +17,10 @@ import tempfile
 from pathlib import Path
 
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.paths import default_target, resolve_random_draft
-from pyllama_dspark.tools.llama_server import LlamaServer
-from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+from pyllama_dspark.drafts.spec import parse_draft
+from pyllama_dspark.paths import default_target
+from pyllama_dspark.upstream.llama_server import LlamaServer
+from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 
@@ -43,14 +44,12 @@ def main():
     with Speculator(target, n_threads=a.threads, **place) as sp:
         prompts = [sp.chat_prompt([{"role": "user", "content": it.turns[0]}]).tokens for it in items]
         refs = [sp.generate(p, a.n_predict).tokens for p in prompts] if a.draft == "bigram" else None
-    if a.draft.startswith("random"):
-        draft = resolve_random_draft(a.draft, target)
-    elif a.draft == "bigram":
+    if a.draft == "bigram":
         draft = str(Path(tempfile.mkdtemp()) / "bigram.gguf")
         make_test_draft(target, draft, kind="dspark", markov_rank=256, seed=3)
         plant_markov_bigrams(draft, [p + r for p, r in zip(prompts, refs)], drop_every=4)
     else:
-        draft = a.draft
+        draft = parse_draft(a.draft).file(target)   # a path, or random[:TYPE] written into the cache
 
     binary = ensure_llama_server()
     common = dict(ctx=4096, threads=a.threads, n_batch=512, n_ubatch=512, flash_attn="auto", extra_args=ngl_args)

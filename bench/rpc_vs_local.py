@@ -77,7 +77,7 @@ def _free_port():
 
 
 def _start_servers(n, threads):
-    from pyllama_dspark.tools.rpc_build import rpc_server_binary
+    from pyllama_dspark.upstream.rpc_build import rpc_server_binary
 
     binary = str(rpc_server_binary())
     procs, eps = [], []

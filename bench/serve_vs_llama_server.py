@@ -48,8 +48,8 @@ from tabulate import tabulate
 
 from pyllama_dspark.paths import cache_dir, default_draft, default_target
 from pyllama_dspark.prompts import load_prompts
-from pyllama_dspark.tools.llama_server import LlamaServer, LlamaServerError, _free_port
-from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+from pyllama_dspark.upstream.llama_server import LlamaServer, LlamaServerError, _free_port
+from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "cache", "json")

@@ -42,9 +42,9 @@ from serve_vs_llama_server import BenchError, OurServer, TheirServer, session  #
 
 from pyllama_dspark.decode.api import Speculator  # noqa: E402
 from pyllama_dspark.paths import cache_dir, default_draft, default_target  # noqa: E402
-from pyllama_dspark.speculative.tool_chat import tool_chat_for  # noqa: E402
-from pyllama_dspark.speculative.tool_request import check_tool_choice, check_tools, plan_tools  # noqa: E402
-from pyllama_dspark.tools.llama_server_build import ensure_llama_server  # noqa: E402
+from pyllama_dspark.chat.tool_prompt import tool_chat_for  # noqa: E402
+from pyllama_dspark.chat.tool_request import check_tool_choice, check_tools, plan_tools  # noqa: E402
+from pyllama_dspark.upstream.llama_server_build import ensure_llama_server  # noqa: E402
 
 TOOL = {"type": "function", "function": {
     "name": "create_event", "description": "Create a calendar event",

@@ -42,9 +42,9 @@ import time
 
 import numpy as np
 
-from pyllama_dspark.decode.api import oracle_draft_for
+from pyllama_dspark.drafts.made import oracle_draft_for
 from pyllama_dspark.decode.loop import Decoder
-from pyllama_dspark.llama.chat import build_chat_prompt
+from pyllama_dspark.chat.prompt import build_chat_prompt
 from pyllama_dspark.llama.handles import ContextSettings
 from pyllama_dspark.llama.models import open_models
 from pyllama_dspark.paths import default_target

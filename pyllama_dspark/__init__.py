@@ -19,7 +19,7 @@ if _cpu_has_amx():   # llama.cpp's AMX repacking crashes with a draft's capture:
 
 
 def _rpc_module():  # llama.cpp's RPC backend module, built and cached on first use of --rpc
-    from pyllama_dspark.tools.rpc_build import rpc_module
+    from pyllama_dspark.upstream.rpc_build import rpc_module
     return rpc_module()
 
 

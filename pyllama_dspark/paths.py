@@ -1,4 +1,5 @@
-"""Where things live: the cache folder, the default target and the shipped drafter.
+"""Where things live: the cache folder, the default target and the shipped drafter (the drafts the
+package writes into the cache: :mod:`pyllama_dspark.drafts.made`).
 
 One source of truth for the front ends (CLI, server, benchmarks, cost profiles), which import it
 from here rather than from each other.
@@ -12,7 +13,6 @@ from typing import Optional
 
 from pyllama_dspark.errors import DSparkError
 from pyllama_dspark.gguf import info_store
-from pyllama_dspark.gguf.draft_types import DEFAULT_DRAFT_TYPE, RANDOM_DRAFT_KINDS, check_draft_type, split_draft_type
 
 #: The trained DSpark drafter for SmolLM2-135M-Instruct shipped inside the package
 #: (``pyllama-dspark train``; see README "Default models").
@@ -49,28 +49,3 @@ def default_draft() -> Optional[str]:
     """The embedded drafter for the default target, or None when this install lacks it."""
     p = Path(__file__).resolve().parent / "data" / DEFAULT_DRAFT_NAME
     return str(p) if p.is_file() else None
-
-
-def random_draft_for(target: str, kind: str = "dspark", weight_type: Optional[str] = None) -> str:
-    """A random-weight draft matched to the target, of ``weight_type`` (:data:`DRAFT_TYPES`; None:
-    :data:`DEFAULT_DRAFT_TYPE`, BF16), written once into the cache under a name that says the
-    target (stem and size), the kind and the type."""
-    from pyllama_dspark.gguf.testing import make_test_draft
-
-    wt = check_draft_type(DEFAULT_DRAFT_TYPE if weight_type is None else weight_type)
-    st = os.stat(target)
-    out = cache_dir() / f"random-{kind}-{Path(target).stem}-{st.st_size}-{wt}.gguf"
-    if not out.exists():
-        # written atomically (gguf.write.write_gguf)
-        make_test_draft(target, str(out), kind=kind, weight_type=wt)
-    return str(out)
-
-
-def resolve_random_draft(draft: Optional[str], target: str) -> Optional[str]:
-    """``-md`` values ``random`` / ``random-dspark`` / ``random-dflash``, each with an optional
-    ``:TYPE`` (``random:q8_0``), become the cached random draft (:func:`random_draft_for`); any
-    other value comes back unchanged.  Raises ValueError on an unknown type."""
-    base, wt = split_draft_type(draft)
-    if base in RANDOM_DRAFT_KINDS:
-        return random_draft_for(target, RANDOM_DRAFT_KINDS[base], wt)
-    return draft

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from pyllama_dspark.tools.crosscheck import first_divergence, plain_greedy as greedy, top2_margin  # noqa: F401
+from pyllama_dspark.measure.crosscheck import first_divergence, plain_greedy as greedy, top2_margin  # noqa: F401
 
 # like-for-like with our defaults (llama-server's): flash attention on, n_ctx 4096, n_batch 512
 LLAMA_KW = dict(n_ctx=4096, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)

@@ -24,7 +24,7 @@ def refs(target_path):
     items = load_prompts(limit_per_file=1)
     llm = open_llama(target_path)
     with Target(target_path, ContextSettings(n_threads=THREADS)) as t:
-        from pyllama_dspark.llama.chat import build_chat_prompt
+        from pyllama_dspark.chat.prompt import build_chat_prompt
         prompts = [build_chat_prompt(t, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
     prompts.append(list(prompts[0][:-3]) + [28, 198])  # a sixth, shorter prompt
     max_toks = [24, 40, 16, 48, 32, 20]

@@ -15,10 +15,10 @@ import pytest
 from click.testing import CliRunner
 
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.tools.bench import RequestResult, rotated
-from pyllama_dspark.tools.bench_report import compare, report_text, summarize, summary_table
+from pyllama_dspark.measure.bench import RequestResult, rotated
+from pyllama_dspark.measure.bench_report import compare, report_text, summarize, summary_table
 from pyllama_dspark.cli.main import main
-from pyllama_dspark.tools.dflash_mode import DSPARK_KEYS, dflash_mode_draft
+from pyllama_dspark.drafts.dflash_mode import DSPARK_KEYS, dflash_mode_draft
 from pyllama_dspark.prompts import default_prompt_dir
 
 

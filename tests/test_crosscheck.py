@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.cli.main import main
-from pyllama_dspark.tools.crosscheck import (cpp_compare, curve_warning, first_divergence, open_plain_llama,
+from pyllama_dspark.measure.crosscheck import (cpp_compare, curve_warning, first_divergence, open_plain_llama,
                                        run_crosscheck)
 from pyllama_dspark.prompts import default_prompt_dir
 from pyllama_dspark.gguf.testing import make_test_draft
@@ -57,7 +57,7 @@ def test_first_divergence():
 # ---- end to end ------------------------------------------------------------------------------
 
 def test_crosscheck_passes_on_a_sound_draft(target_path, dspark_draft_path, tmp_path):
-    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
     binary = ensure_llama_server()
     out = tmp_path / "cc.json"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -25,7 +26,8 @@ import pytest
 from cli_runner import cli
 from greedy_ref import TEST_THREADS
 
-from pyllama_dspark.gguf.draft_types import DEFAULT_DRAFT_TYPE, DRAFT_TYPES, split_draft_type
+from pyllama_dspark.drafts.spec import parse_draft
+from pyllama_dspark.gguf.draft_types import DEFAULT_DRAFT_TYPE, DRAFT_TYPES
 from pyllama_dspark.gguf.testing import make_test_draft
 
 QT = gguf.GGMLQuantizationType
@@ -178,16 +180,32 @@ def test_each_type_drafts_in_llama_cpp_and_stays_greedy(drafts, wt, target_path,
 
 # ---- the -md grammar ------------------------------------------------------------------------
 
-def test_split_draft_type():
-    assert split_draft_type("random") == ("random", None)
-    assert split_draft_type("random:q8_0") == ("random", "q8_0")
-    assert split_draft_type("random-dflash:Q4_0") == ("random-dflash", "q4_0")
-    assert split_draft_type("oracle:0.9") == ("oracle:0.9", None)
-    assert split_draft_type("oracle:0.9:f16") == ("oracle:0.9", "f16")
-    assert split_draft_type("draft.gguf") == ("draft.gguf", None) and split_draft_type(None) == (None, None)
-    for bad in ("random:q9", "random:", "random:q8_0:x", "oracle:0.9:bf17"):
+def test_parse_draft():
+    """Every -md form, parsed in one place (drafts/spec.py) into one value."""
+    def fields(s):
+        d = parse_draft(s)
+        return (d.path, d.random_kind, d.oracle_p, d.weight_type, d.dflash_mode)
+
+    assert fields("random") == (None, "dspark", None, None, False)
+    assert fields("random:q8_0") == (None, "dspark", None, "q8_0", False)
+    assert fields("random-dspark") == (None, "dspark", None, None, False)
+    assert fields("random-dflash:Q4_0") == (None, "dflash", None, "q4_0", False)
+    assert fields("oracle:0.9") == (None, None, 0.9, None, False)
+    assert fields("oracle:0.9:f16") == (None, None, 0.9, "f16", False)
+    assert fields("oracle:1") == (None, None, 1.0, None, False)
+    assert fields("draft.gguf") == ("draft.gguf", None, None, None, False)
+    assert fields("oracle.gguf") == ("oracle.gguf", None, None, None, False)      # a file, not an oracle
+    assert fields(Path("d/x.gguf")) == (os.path.join("d", "x.gguf"), None, None, None, False)
+    assert parse_draft(None) is None and parse_draft("random").text == "random"
+    d = parse_draft("random:f16", dflash_mode=True)
+    assert d.dflash_mode and parse_draft(d) is d and parse_draft(parse_draft("x.gguf"), dflash_mode=True).dflash_mode
+    assert parse_draft("oracle:0.5").is_oracle and not parse_draft("random").is_oracle
+    for bad in ("random:q9", "random:", "random:q8_0:x", "oracle:0.9:bf17", "oracle:0.9:"):
         with pytest.raises(ValueError, match="type"):
-            split_draft_type(bad)
+            parse_draft(bad)
+    for bad in ("oracle", "oracle:", "oracle:x", "oracle:1.5", "oracle:-0.1"):
+        with pytest.raises(ValueError, match=r"oracle:P|P must be in \[0, 1\]"):
+            parse_draft(bad)
     assert DEFAULT_DRAFT_TYPE == "bf16" and DRAFT_TYPES[0] == DEFAULT_DRAFT_TYPE
 
 

@@ -503,8 +503,8 @@ def test_layer_input_arch_table_matches_llama_cpp_sources():
     (the llama-server build's copy): every architecture whose graph writes the layer inputs is in
     it, except the two left out on purpose, and nothing else is; the same for the final-layer
     table; and every ``file:line`` the table cites is such a store."""
-    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
-    from pyllama_dspark.tools.llama_server_sdist import llama_server_cache_dir
+    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
+    from pyllama_dspark.upstream.llama_server_sdist import llama_server_cache_dir
 
     ensure_llama_server()     # also extracts llama.cpp's sources into the cache
     src = llama_server_cache_dir() / "src" / "src"

@@ -54,7 +54,7 @@ def test_bench_from_an_empty_cache(target_path, dspark_draft_path, tmp_path):
 
 def test_crosscheck_from_an_empty_cache(target_path, dspark_draft_path, tmp_path):
     from pyllama_dspark.prompts import default_prompt_dir
-    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
     binary = ensure_llama_server()   # built once for the suite (a new user's first crosscheck builds it)
     cache = tmp_path / "cache"

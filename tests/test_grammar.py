@@ -1,4 +1,4 @@
-"""llama.cpp's grammar engine under our API (pyllama_dspark.speculative.grammar).
+"""llama.cpp's grammar engine under our API (pyllama_dspark.llama.grammar).
 
 References, none of them our grammar code on another path:
 * the allowed tokens of a literal-alternatives grammar, computed in Python from the token pieces
@@ -24,7 +24,7 @@ import pytest
 
 from greedy_ref import TEST_THREADS
 
-from pyllama_dspark.speculative.grammar import (JSON_OBJECT_GBNF, Grammar, GrammarCursor, GrammarError,
+from pyllama_dspark.llama.grammar import (JSON_OBJECT_GBNF, Grammar, GrammarCursor, GrammarError,
                                          schema_to_gbnf)
 
 WORDS = ["yes", "no", "maybe", "café"]

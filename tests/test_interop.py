@@ -24,7 +24,7 @@ from pyllama_dspark.gguf.write import raw_field
 from pyllama_dspark.interop.convert import convert_checkpoint
 from pyllama_dspark.interop.export import export_checkpoint
 from pyllama_dspark.paths import default_draft
-from pyllama_dspark.tools.llama_server_build import vendored_llama_cpp
+from pyllama_dspark.upstream.llama_server_build import vendored_llama_cpp
 
 LLAMA_CPP_SRC = ""   # set by the hf_target fixture (the installed llama-cpp-python's vendored sources)
 

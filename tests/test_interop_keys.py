@@ -37,7 +37,7 @@ from pyllama_dspark.gguf.write import raw_field, write_gguf
 from pyllama_dspark.interop.checkpoint import CheckpointError
 from pyllama_dspark.interop.convert import convert_checkpoint
 from pyllama_dspark.interop.export import export_checkpoint
-from pyllama_dspark.tools.llama_server_build import vendored_llama_cpp
+from pyllama_dspark.upstream.llama_server_build import vendored_llama_cpp
 from test_interop import _GENERAL_DIFF, _edit_config, build_hf_target
 
 #: mistral-common (llama.cpp's converter needs it for a Mistral tokenizer) pins numpy < 2.4 on

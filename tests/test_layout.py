@@ -10,8 +10,11 @@ import pyllama_dspark
 
 PKG = Path(pyllama_dspark.__file__).resolve().parent
 # README "Architecture": the layers, bottom up (same rank: side by side, never importing each other)
-RANK = {"errors": 0, "gguf": 1, "paths": 2, "prompts": 2, "llama": 2, "interop": 2, "speculative": 3, "decode": 4,
-        "integrations": 5, "serve": 5, "tools": 5, "training": 5, "cli": 6, "__init__": 7}
+RANK = {"errors": 0, "gguf": 1, "paths": 2, "prompts": 2, "llama": 2, "interop": 2, "reference": 2,
+        "speculative": 3, "chat": 3, "drafts": 3, "upstream": 3, "decode": 4,
+        "integrations": 5, "serve": 5, "measure": 5, "training": 5, "cli": 6, "__init__": 7}
+#: the drafting loop: what the chat formats never import (docs/architecture.md)
+DRAFTING = ("speculative", "decode")
 MAX_LINES = 500
 
 
@@ -103,3 +106,53 @@ def test_only_the_loop_calls_the_accept_rules():
                 if name in ("greedy_accept", "speculative_accept") and mod != "pyllama_dspark.speculative.verify":
                     callers.add(mod)
     assert callers == {"pyllama_dspark.decode.loop"}, callers
+
+
+def test_the_chat_room_knows_nothing_of_the_drafting_loop():
+    """Chat formats (templates, tool-call codecs, reply parsers) use the grammar (llama/) but nothing of
+    the drafter, verify, schedule or policy; and the algorithm imports no chat format."""
+    bad = []
+    for mod, path in _modules():
+        for other in set(_imports(path, mod)):
+            if _layer(mod) == "chat" and _layer(other) in DRAFTING:
+                bad.append(f"{mod} imports {other}")
+            if _layer(mod) in DRAFTING and _layer(other) == "chat" and other != "pyllama_dspark.chat.prompt":
+                bad.append(f"{mod} imports {other}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_importing_the_algorithm_loads_no_chat_format():
+    """Every module of speculative/ imported in a fresh interpreter: no chat module comes with it."""
+    import subprocess
+    import sys
+
+    mods = [m for m, _ in _modules() if _layer(m) == "speculative"]
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('pyllama_dspark.chat', 'pyllama_dspark.serve'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_a_draft_spec_is_read_in_one_module():
+    """The -md names (random[:TYPE], oracle:P[:TYPE]) are compared against in drafts/spec.py only:
+    every other module is handed a parsed DraftSpec.  (A proposer called "oracle" or a click default
+    "random" is a name, not a reading: only comparisons and prefix tests count.)"""
+    names = ("random", "random-dspark", "random-dflash", "oracle")
+
+    def named(node):
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+            node.value in names or node.value.startswith(tuple(n + ":" for n in names)))
+
+    found = []
+    for mod, path in _modules():
+        if mod == "pyllama_dspark.drafts.spec":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(named(x) for x in [node.left, *node.comparators]):
+                found.append(f"{mod}:{node.lineno}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("startswith", "endswith", "partition", "split")
+                  and any(named(a) for a in node.args)):
+                found.append(f"{mod}:{node.lineno}")
+    assert not found, "\n".join(found)

@@ -34,8 +34,8 @@ def target_path():
 
 @pytest.fixture(scope="module")
 def server_binary():
-    from pyllama_dspark.tools.llama_server_build import _check_toolchain, ensure_llama_server
-    from pyllama_dspark.tools.llama_server_sdist import LlamaServerBuildError
+    from pyllama_dspark.upstream.llama_server_build import _check_toolchain, ensure_llama_server
+    from pyllama_dspark.upstream.llama_server_sdist import LlamaServerBuildError
 
     try:
         _check_toolchain()
@@ -78,7 +78,7 @@ def _greedy_reference(llm, prompt, n_predict):
 def test_prompt_tokens_are_used_verbatim_and_greedy_matches(server_binary, target_path, reference_llm):
     import llama_cpp
 
-    from pyllama_dspark.tools.llama_server import LlamaServer
+    from pyllama_dspark.upstream.llama_server import LlamaServer
 
     with LlamaServer(server_binary, target_path, ctx=4096, threads=THREADS, flash_attn="on",
                      n_batch=512, n_ubatch=512) as srv:
@@ -102,7 +102,7 @@ def test_prompt_tokens_are_used_verbatim_and_greedy_matches(server_binary, targe
 
 
 def test_log_parser_reads_trace_lines():
-    from pyllama_dspark.tools.llama_server_log import parse_draft_acceptance, parse_spec_steps
+    from pyllama_dspark.upstream.llama_server_log import parse_draft_acceptance, parse_spec_steps
 
     log = (
         "slot update_slots: id  0 | task 7 | accepted  3/ 7 draft tokens\n"

@@ -28,9 +28,9 @@ from greedy_ref import TEST_THREADS
 
 import pyllama_dspark
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.tools.dflash_mode import dflash_mode_draft
-from pyllama_dspark.tools.llama_server import LlamaServer
-from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+from pyllama_dspark.drafts.dflash_mode import dflash_mode_draft
+from pyllama_dspark.upstream.llama_server import LlamaServer
+from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 from pyllama_dspark.speculative.policy import VerifyPolicy
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.gguf.draft_types import DEFAULT_DRAFT_TYPE

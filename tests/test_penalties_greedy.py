@@ -189,8 +189,8 @@ def test_server_keeps_penalties_at_temperature_0():
 
 @pytest.mark.slow
 def test_llama_server_same_tokens(target_path, dspark_draft_path, cases):
-    from pyllama_dspark.tools.llama_server import LlamaServer
-    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+    from pyllama_dspark.upstream.llama_server import LlamaServer
+    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
     binary = ensure_llama_server()
     with LlamaServer(binary, target_path, dspark_draft_path, spec_type="draft-dspark", n_max=7, ctx=4096,

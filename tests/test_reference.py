@@ -1,4 +1,4 @@
-"""pyllama_dspark.tools.reference against llama.cpp itself (llama-cpp-python 0.3.36, CPU).
+"""pyllama_dspark.reference against llama.cpp itself (llama-cpp-python 0.3.36, CPU).
 
 The draft is the random DSpark / DFlash draft of ``conftest.py`` copied with random norm weights
 (the writer uses all-ones norms, which would hide a missing norm weight).  llama.cpp is driven
@@ -49,8 +49,8 @@ from llama_cpp import llama_cpp as L  # noqa: E402
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from pyllama_dspark.tools.reference.ggml_rounding import vec_dot_type  # noqa: E402
-from pyllama_dspark.tools.reference.model import DraftReference  # noqa: E402
+from pyllama_dspark.reference.ggml_rounding import vec_dot_type  # noqa: E402
+from pyllama_dspark.reference.model import DraftReference  # noqa: E402
 
 U16 = 2.0 ** -11
 # hidden-state tolerances in units of ||delta|| (see the module docstring)

@@ -29,9 +29,9 @@ from first_tokens_law import law_check, two_token_law
 from greedy_ref import TEST_THREADS
 from serve_helpers import SESSION, ServeProcess, free_port
 from pyllama_dspark.speculative.sampling_params import SamplingParams
-from pyllama_dspark.tools.llama_server import LlamaServer
-from pyllama_dspark.tools.llama_server_build import ensure_llama_server
-from pyllama_dspark.tools.rpc_build import ensure_rpc
+from pyllama_dspark.upstream.llama_server import LlamaServer
+from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
+from pyllama_dspark.upstream.rpc_build import ensure_rpc
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "pyllama_dspark.cli.main"]
@@ -266,7 +266,7 @@ def test_bad_tensor_split_is_a_usage_error():
 
 def test_no_loadable_module_says_what_happens(tmp_path):
     """Only a static ggml-rpc-server (the fallback build): --rpc has no module to load here."""
-    from pyllama_dspark.tools.rpc_build import RpcUnavailable, rpc_module
+    from pyllama_dspark.upstream.rpc_build import RpcUnavailable, rpc_module
 
     with pytest.raises(RpcUnavailable, match="no loadable module"):
         rpc_module(tmp_path, build=False)

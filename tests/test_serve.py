@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from greedy_ref import check_near_tie_text
-from pyllama_dspark.tools.llama_server_log import parse_draft_acceptance
+from pyllama_dspark.upstream.llama_server_log import parse_draft_acceptance
 from pyllama_dspark.prompts import load_prompts
 from pyllama_dspark.gguf.testing import make_test_draft, plant_markov_bigrams
 from serve_helpers import SESSION, ServeProcess, sse_events, sse_json
@@ -534,8 +534,8 @@ def test_openai_client(server1, llama_refs):
 
 def _speed_bench_module():
     """llama.cpp's SpeedBench client from the vendored llama.cpp sources, imported unchanged."""
-    from pyllama_dspark.tools import llama_server_sdist as sdist
-    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+    from pyllama_dspark.upstream import llama_server_sdist as sdist
+    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
     ensure_llama_server()  # extracts (and builds from) the llama-cpp-python sdist once
     root = sdist.llama_server_cache_dir()

@@ -137,8 +137,8 @@ def test_constraint_precedence_is_llama_servers(kind, body, grammar, schema):
 
 @pytest.fixture
 def fake_grammar(monkeypatch):
-    """A stand-in pyllama_dspark.speculative.grammar: the parsing side is tested without the engine's."""
-    mod = types.ModuleType("pyllama_dspark.speculative.grammar")
+    """A stand-in pyllama_dspark.llama.grammar: the parsing side is tested without the engine's."""
+    mod = types.ModuleType("pyllama_dspark.llama.grammar")
 
     class GrammarError(ValueError):
         pass
@@ -161,7 +161,7 @@ def fake_grammar(monkeypatch):
         return "SCHEMA " + json.dumps(schema, sort_keys=True)
 
     mod.GrammarError, mod.Grammar, mod.schema_to_gbnf, mod.JSON_OBJECT_GBNF = GrammarError, Grammar, schema_to_gbnf, "OBJ"
-    monkeypatch.setitem(sys.modules, "pyllama_dspark.speculative.grammar", mod)
+    monkeypatch.setitem(sys.modules, "pyllama_dspark.llama.grammar", mod)
     import pyllama_dspark.speculative as spec_pkg
     monkeypatch.setattr(spec_pkg, "grammar", mod, raising=False)
     return compiled

@@ -15,7 +15,7 @@ from pyllama_dspark.serve.oai_request import RequestError, parse_request
 from pyllama_dspark.decode.cycle import Started
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
 from pyllama_dspark.decode.timings import llama_timings, timing_log_lines
-from pyllama_dspark.tools.llama_server_log import parse_draft_acceptance
+from pyllama_dspark.upstream.llama_server_log import parse_draft_acceptance
 
 
 def test_parse_chat_request_fields():

@@ -19,7 +19,7 @@ from first_tokens_law import first_two, law_check, two_token_law
 from greedy_ref import TEST_THREADS
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.paths import default_draft
-from pyllama_dspark.speculative.grammar import schema_to_gbnf
+from pyllama_dspark.llama.grammar import schema_to_gbnf
 from pyllama_dspark.speculative.sampling_params import SamplingParams
 
 N = 40
@@ -107,8 +107,8 @@ def test_grammar_and_n_probs_match_llama_server(target_path, sp):
     """The same GBNF through llama.cpp's own llama-server with the same draft: the same tokens.
     n_probs at T = 0 (ours drafting, llama-server without a draft): the same tokens, each
     probability within the batch-shape rounding, the same top-N sets except at measured near-ties."""
-    from pyllama_dspark.tools.llama_server import LlamaServer
-    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+    from pyllama_dspark.upstream.llama_server import LlamaServer
+    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
     binary = ensure_llama_server()
     prompts = [_prompt(sp, t) for t in PROMPTS]

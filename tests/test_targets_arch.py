@@ -220,7 +220,7 @@ def test_router_margin_diagnostic_sees_small_margins(tmp_path):
 
 @pytest.fixture(scope="module")
 def server_binary():
-    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
     return ensure_llama_server()
 
@@ -229,7 +229,7 @@ def server_binary():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [a for a in ARCHS if a != "llama"], indirect=True)
 def test_parity_llama_server(case, server_binary, tmp_path):
-    from pyllama_dspark.tools.llama_server import LlamaServer
+    from pyllama_dspark.upstream.llama_server import LlamaServer
 
     bigram = make_test_draft(case.target, tmp_path / "bigram.gguf", kind="dspark", markov_rank=256, seed=3)
     assert plant_markov_bigrams(bigram, [list(p) + list(r) for p, r in zip(case.prompts, case.refs)],

@@ -24,21 +24,19 @@ import pytest
 import tool_targets as tt
 from greedy_ref import TEST_THREADS
 from serve_helpers import SESSION, ServeProcess, sse_json
-from test_tools_server import _calls, _cpp_grammar_fields, _post, _strip_ids
+from test_tools_server import _cpp_grammar_fields
+from tool_targets import USER, WEATHER, post as _post, strip_ids as _strip_ids
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.gguf.testing import make_test_draft
-from pyllama_dspark.speculative import tool_gemma4
-from pyllama_dspark.speculative.tool_chat import ToolChat, tool_chat_for
-from pyllama_dspark.speculative.tool_grammar import ToolSchemaError
-from pyllama_dspark.speculative.tool_parse import ReplyDiffer, ReplyText, message_json
-from pyllama_dspark.speculative.tool_request import check_tool_choice, check_tools, plan_tools
+from pyllama_dspark.chat import gemma4
+from pyllama_dspark.chat.tool_prompt import ToolChat, tool_chat_for
+from pyllama_dspark.chat.tool_grammar import ToolSchemaError
+from pyllama_dspark.chat.parse import ReplyDiffer, ReplyText, message_json
+from pyllama_dspark.chat.tool_request import check_tool_choice, check_tools, plan_tools
 
 pytestmark = pytest.mark.slow
 
 Q = '<|"|>'
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-                                     "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city", "unit"]}}}
 NOTE_PARAMS = {"type": "object", "required": ["text", "flag"], "properties": {
     "text": {"type": "string"}, "count": {"type": "integer"}, "score": {"type": "number"},
     "flag": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]},
@@ -50,7 +48,6 @@ FREE = {"type": "function", "function": {"name": "log_event", "description": "Lo
                                          "parameters": {"type": "object"}}}
 TOOLS = [WEATHER, NOTE]
 NAMES = ["get_weather", "note"]
-USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 N = 64
 OFF = {"enable_thinking": False}
 
@@ -74,8 +71,8 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(files, tmp_path_factory):
-    from pyllama_dspark.tools.llama_server import LlamaServer
-    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+    from pyllama_dspark.upstream.llama_server import LlamaServer
+    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
     target, draft, d = files
     logs = tmp_path_factory.mktemp("tools-gemma4-logs")
@@ -116,7 +113,7 @@ def _tok(target, text: str) -> int:
 
 # ---- format, grammar and parser in process -----------------------------------------------------------
 def test_the_templates_own_calls_are_in_our_grammar_and_parse_back(sp):
-    from pyllama_dspark.speculative.grammar import Grammar
+    from pyllama_dspark.llama.grammar import Grammar
 
     target = sp.target
     chat = tool_chat_for(target)
@@ -131,25 +128,25 @@ def test_the_templates_own_calls_are_in_our_grammar_and_parse_back(sp):
         {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
         for i, (n, a) in enumerate(calls)]}]
     prompt = chat.render(msgs, check_tools(TOOLS)).prompt
-    reply = prompt[prompt.index(tool_gemma4.CALL_OPEN):prompt.rindex(tool_gemma4.CALL_CLOSE) + 12]
-    g = tool_gemma4.grammar(chat.format, check_tools(TOOLS), "required", True)
+    reply = prompt[prompt.index(gemma4.CALL_OPEN):prompt.rindex(gemma4.CALL_CLOSE) + 12]
+    g = gemma4.grammar(chat.format, check_tools(TOOLS), "required", True)
     toks = target.tokenize(reply, False, True)
     with Grammar.compile(g.gbnf, target) as gr:
         assert gr.valid_prefix(toks) == len(toks), (reply, g.gbnf)
-    parsed = tool_gemma4.parse(reply, chat.format, NAMES)
+    parsed = gemma4.parse(reply, chat.format, NAMES)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls, reply
     for (name, a), c in zip(calls, parsed.calls):
         jsonschema.validate(json.loads(c.arguments), {"get_weather": WEATHER, "note": NOTE}[name]["function"]["parameters"])
     # one call of the named tool; "auto": lazy at the one-token trigger
-    named = tool_gemma4.grammar(chat.format, check_tools(TOOLS), {"name": "note"}, True)
+    named = gemma4.grammar(chat.format, check_tools(TOOLS), {"name": "note"}, True)
     assert "get_weather" not in named.gbnf and "one-call one-call*" not in named.gbnf
-    auto = tool_gemma4.grammar(chat.format, check_tools(TOOLS), "auto", False)
+    auto = gemma4.grammar(chat.format, check_tools(TOOLS), "auto", False)
     assert auto.lazy and auto.words == ("<|tool_call>",) and len(target.tokenize("<|tool_call>", False, True)) == 1
 
 
 def test_refs_and_recursion_in_a_schema(sp):
     """Local $refs ($defs, and "#" itself: a tree) become rules; a reply of that shape is in the grammar."""
-    from pyllama_dspark.speculative.grammar import Grammar
+    from pyllama_dspark.llama.grammar import Grammar
 
     params = {"type": "object", "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}},
                                                  "required": ["x"]}},
@@ -157,12 +154,12 @@ def test_refs_and_recursion_in_a_schema(sp):
               "required": ["at"]}
     tools = check_tools([{"type": "function", "function": {"name": "tree", "parameters": params}}])
     fmt = tool_chat_for(sp.target).format
-    g = tool_gemma4.grammar(fmt, tools, "required", False)
+    g = gemma4.grammar(fmt, tools, "required", False)
     reply = "<|tool_call>call:tree{at:{x:1},kids:[{at:{x:-2}},{at:{x:3},kids:[]}]}<tool_call|>"
     toks = sp.target.tokenize(reply, False, True)
     with Grammar.compile(g.gbnf, sp.target) as gr:
         assert gr.valid_prefix(toks) == len(toks), g.gbnf
-    args = json.loads(tool_gemma4.parse(reply, fmt, ["tree"]).calls[0].arguments)
+    args = json.loads(gemma4.parse(reply, fmt, ["tree"]).calls[0].arguments)
     assert args == {"at": {"x": 1}, "kids": [{"at": {"x": -2}}, {"at": {"x": 3}, "kids": []}]}
     jsonschema.validate(args, params)
 
@@ -179,7 +176,7 @@ def test_a_schema_we_cannot_write_is_a_tool_schema_error_naming_the_tool(params,
     chat = ToolChat(tt.template_text("google-gemma-4-31B-it.jinja"), "<bos>", "<turn|>")
     tools = check_tools([{"type": "function", "function": {"name": "odd", "parameters": params}}])
     with pytest.raises(ToolSchemaError, match=f"'odd'.*{msg}"):
-        tool_gemma4.grammar(chat.format, tools, "required", False)
+        gemma4.grammar(chat.format, tools, "required", False)
 
 
 def test_partial_parses_stream_to_the_final_parse():
@@ -188,17 +185,11 @@ def test_partial_parses_stream_to_the_final_parse():
     text = (f'<|channel>thought\nhm<channel|>Ok <|tool_call>call:note{{text:{Q}a "q"\n{Q},count:-12,'
             f'meta:{{v:null}},tags:[{Q}a{Q},{Q}b{Q}],flag:true}}<tool_call|><|tool_call>call:get_weather'
             f'{{city:{Q}Lima{Q},unit:{Q}f{Q}}}<tool_call|>')
-    d = ReplyDiffer(fmt, NAMES, parse=tool_gemma4.parse)
-    got = {"content": "", "reasoning_content": ""}
-    args: dict = {}
-    for k in range(1, len(text) + 1):
-        _, deltas = d.update(text[:k], final=k == len(text))
-        for x in deltas:
-            for key in got:
-                got[key] += x.get(key, "")
-            for tc in x.get("tool_calls", []):
-                args[tc["index"]] = args.get(tc["index"], "") + tc["function"].get("arguments", "")
-    final = tool_gemma4.parse(text, fmt, NAMES)
+    d = ReplyDiffer(fmt, NAMES, parse=gemma4.parse)
+    merged = tt.merge_deltas(x for k in range(1, len(text) + 1) for x in d.update(text[:k], final=k == len(text))[1])
+    got = {"content": merged["content"], "reasoning_content": merged["reasoning_content"]}
+    args = {i: c["arguments"] for i, c in merged["tool_calls"].items()}
+    final = gemma4.parse(text, fmt, NAMES)
     assert got == {"content": final.content, "reasoning_content": final.reasoning} == {"content": "Ok ",
                                                                                         "reasoning_content": "hm"}
     assert [args[i] for i in sorted(args)] == [c.arguments for c in final.calls]
@@ -222,16 +213,12 @@ def test_any_text_parses_and_streams_without_error():
     @given(st.lists(pieces, max_size=30), st.integers(1, 5))
     def check(parts, step):
         text = "".join(parts)
-        final = tool_gemma4.parse(text, fmt, ["note"])
-        d = ReplyDiffer(fmt, ["note"], parse=tool_gemma4.parse)
-        got = {"content": "", "reasoning_content": ""}
-        args: dict = {}
-        for k in list(range(step, len(text), step)) + [len(text)]:
-            for delta in d.update(text[:k], final=k == len(text))[1]:
-                for key in got:
-                    got[key] += delta.get(key, "")
-                for tc in delta.get("tool_calls", []):
-                    args[tc["index"]] = args.get(tc["index"], "") + tc.get("function", {}).get("arguments", "")
+        final = gemma4.parse(text, fmt, ["note"])
+        d = ReplyDiffer(fmt, ["note"], parse=gemma4.parse)
+        merged = tt.merge_deltas(delta for k in list(range(step, len(text), step)) + [len(text)]
+                                 for delta in d.update(text[:k], final=k == len(text))[1])
+        got = {"content": merged["content"], "reasoning_content": merged["reasoning_content"]}
+        args = {i: c["arguments"] for i, c in merged["tool_calls"].items()}
         last = d.prev
         assert got == {"content": last.content, "reasoning_content": last.reasoning}, text
         assert [args[i] for i in sorted(args)] == [c.arguments for c in last.calls], text
@@ -299,14 +286,14 @@ def test_parse_of_a_text_is_llama_servers(servers, sp):
         r = _post(cpp, "/v1/chat/completions", body)
         assert r.status_code == 200, r.text
         theirs = r.json()["choices"][0]["message"]
-        ours = message_json(tool_gemma4.parse(text, fmt, NAMES))
+        ours = message_json(gemma4.parse(text, fmt, NAMES))
         assert _strip_ids(ours) == _strip_ids(theirs), text
     for text in TEXTS + NONE_TEXTS:    # tool_choice "none": thoughts split, calls left in content
         body = {"messages": USER + [{"role": "assistant", "content": text}], "tools": TOOLS, "max_tokens": 1,
                 "logit_bias": [[eog, 100]], "temperature": 0, "tool_choice": "none"}
         r = _post(cpp, "/v1/chat/completions", body)
         assert r.status_code == 200, r.text
-        assert message_json(tool_gemma4.parse(text, fmt, NAMES, calls=False)) == r.json()["choices"][0]["message"], text
+        assert message_json(gemma4.parse(text, fmt, NAMES, calls=False)) == r.json()["choices"][0]["message"], text
 
 
 NONE_TEXTS = ["<|channel>thought\nhmm \n<channel|>Answer", "x<|channel>thought\nhmm \n<channel|> y<|channel>thought z<channel|>w",
@@ -332,14 +319,7 @@ def test_tool_choice_none_reply_is_llama_servers_and_streams_to_it(servers, sp):
         thoughts += bool(mine["message"].get("reasoning_content"))
         events = sse_json(SESSION.post(ours.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True,
                                        timeout=600))
-        got = {"content": "", "reasoning_content": ""}
-        for ev in events[:-1]:
-            d = ev["choices"][0]["delta"]
-            assert "tool_calls" not in d
-            for k in got:
-                got[k] += d.get(k) or ""
-        assert got == {"content": mine["message"]["content"],
-                       "reasoning_content": mine["message"].get("reasoning_content", "")}, bias
+        assert tt.streamed_text(events[:-1]) == tt.message_text(mine["message"]), bias
     assert thoughts
 
 
@@ -363,7 +343,7 @@ def test_parse_of_what_llama_server_generated_is_its_own(servers, sp):
         j = r.json()
         raw, theirs = j["__verbose"]["content"], j["choices"][0]["message"]
         seen += bool(theirs.get("tool_calls"))
-        ours = message_json(tool_gemma4.parse(raw, fmt, NAMES, partial=j["choices"][0]["finish_reason"] == "length"))
+        ours = message_json(gemma4.parse(raw, fmt, NAMES, partial=j["choices"][0]["finish_reason"] == "length"))
         assert _strip_ids(ours) == _strip_ids(theirs), (extra, raw)
     assert seen
 
@@ -405,7 +385,7 @@ def test_constrained_decode_is_llama_cpps_with_and_without_a_draft(servers, sp, 
     text = ReplyText(target.token_to_piece, target.is_eog, plan.special_ids(target))
     text.push(cpp["tokens"])
     raw = text.finish()
-    parsed = tool_gemma4.parse(raw, plan.fmt, plan.names, partial=choice0["finish_reason"] == "length")
+    parsed = gemma4.parse(raw, plan.fmt, plan.names, partial=choice0["finish_reason"] == "length")
     assert _strip_ids(choice0["message"]) == _strip_ids(message_json(parsed)), raw
     assert parsed.calls and raw.startswith("<|tool_call>call:"), raw
     if isinstance(choice, dict):
@@ -446,21 +426,7 @@ def test_streamed_chunks_reassemble_to_the_call_and_the_conversation_goes_on(ser
     full = _post(srv, "/v1/chat/completions", body).json()["choices"][0]
     events = sse_json(SESSION.post(srv.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True,
                                    timeout=600))
-    assert events[-1] == "[DONE]"
-    calls, finish, content = {}, None, ""
-    for ev in events[:-1]:
-        ch = ev["choices"][0]
-        finish = ch["finish_reason"] or finish
-        content += ch["delta"].get("content") or ""
-        for tc in ch["delta"].get("tool_calls", []):
-            c = calls.setdefault(tc["index"], {"id": tc.get("id"), "name": "", "arguments": ""})
-            c["name"] += tc.get("function", {}).get("name", "")
-            c["arguments"] += tc.get("function", {}).get("arguments", "")
-    assert finish == full["finish_reason"] == "tool_calls"
-    assert content == full["message"]["content"]
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
-        [(c["function"]["name"], c["function"]["arguments"]) for c in full["message"]["tool_calls"]]
-    assert all(c["id"] for c in calls.values())
+    tt.check_streamed_call(events, full)
     call = full["message"]["tool_calls"][0]
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
     convo = USER + [full["message"], {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21}'}]
@@ -494,14 +460,10 @@ def test_dspark_python_api_gives_serves_calls(servers, files):
     theirs = _post(servers("draft"), "/v1/chat/completions", {"messages": USER, **kw}).json()["choices"][0]
     with DSpark(target, draft, n_ctx=2048, n_threads=TEST_THREADS, schedule="off") as ds:
         ours = ds.create_chat_completion(USER, **kw)["choices"][0]
-        streamed = {}
-        for ch in ds.create_chat_completion(USER, stream=True, **kw):
-            for tc in ch["choices"][0]["delta"].get("tool_calls", []):
-                e = streamed.setdefault(tc["index"], ["", ""])
-                e[0] += tc.get("function", {}).get("name", "")
-                e[1] += tc.get("function", {}).get("arguments", "")
+        streamed = tt.merge_deltas(ch["choices"][0]["delta"]
+                                   for ch in ds.create_chat_completion(USER, stream=True, **kw))
     assert (ours["finish_reason"], _strip_ids(ours["message"])) == (theirs["finish_reason"],
                                                                     _strip_ids(theirs["message"]))
     assert ours["finish_reason"] == "tool_calls"
-    assert [tuple(e) for e in streamed.values()] == \
+    assert [(c["name"], c["arguments"]) for c in streamed["tool_calls"].values()] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in ours["message"]["tool_calls"]]

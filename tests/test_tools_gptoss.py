@@ -18,7 +18,7 @@
   tokens that start with whitespace (the two JSON-schema converters place whitespace differently,
   docs/serve.md "Tools") except `` to``, which the harmony headers need.  ``"auto"`` is not compared
   there: llama-server's lazy grammar starts at a reply's leading `` to``, ours at `` to=functions``
-  (:data:`~pyllama_dspark.speculative.tool_harmony.TRIGGERS`), and a random target writes neither;
+  (:data:`~pyllama_dspark.chat.harmony.TRIGGERS`), and a random target writes neither;
   its trigger words are checked in process instead;
 * streaming chunks reassemble to the call; a conversation goes on after the tool's result.
 
@@ -37,28 +37,19 @@ import pytest
 import tool_targets as tt
 from greedy_ref import TEST_THREADS
 from serve_helpers import SESSION, ServeProcess, sse_json
+from tool_targets import TIME, USER, WEATHER, calls as _calls, post as _post, strip_ids as _no_ids
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.gguf.testing import make_test_draft
-from pyllama_dspark.speculative import tool_harmony
-from pyllama_dspark.speculative.tool_chat import tool_chat_for
-from pyllama_dspark.speculative.tool_formats import FORMATS
-from pyllama_dspark.speculative.tool_parse import ReplyText, message_json
-from pyllama_dspark.speculative.tool_request import check_tool_choice, check_tools, plan_tools
+from pyllama_dspark.chat import harmony
+from pyllama_dspark.chat.tool_prompt import tool_chat_for
+from pyllama_dspark.chat.formats import FORMATS
+from pyllama_dspark.chat.parse import ReplyText, message_json
+from pyllama_dspark.chat.tool_request import check_tool_choice, check_tools, plan_tools
 
 pytestmark = pytest.mark.slow
 
-PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-                                           "unit": {"type": "string", "enum": ["c", "f"]}},
-          "required": ["city", "unit"]}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather",
-                                            "parameters": PARAMS}}
-TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time",
-                                         "parameters": {"type": "object", "properties": {
-                                             "city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
-                                             "required": ["city"]}}}
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 N = 40
 A = "<|channel|>analysis<|message|>"
 REQUIRED = "required"
@@ -85,8 +76,8 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpp(files):
-    from pyllama_dspark.tools.llama_server import LlamaServer
-    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+    from pyllama_dspark.upstream.llama_server import LlamaServer
+    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
     target, _, d = files
     s = LlamaServer(ensure_llama_server(), target, None, ctx=4096, threads=TEST_THREADS, extra_args=["--jinja"],
@@ -109,30 +100,14 @@ def sp(files):
         yield s
 
 
-def _post(srv, path: str, body: dict):
-    url = srv.base_url if hasattr(srv, "base_url") else srv.url
-    return SESSION.post(url + path, data=json.dumps(body), headers={"Content-Type": "application/json"}, timeout=600)
-
-
 def _tok(sp, text: str) -> int:
     ids = sp.target.tokenize(text, False, True)
     assert len(ids) == 1, (text, ids)
     return ids[0]
 
 
-def _calls(msg: dict) -> list:
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls") or []]
-
-
-def _no_ids(msg: dict) -> dict:
-    msg = json.loads(json.dumps(msg))
-    for c in msg.get("tool_calls") or []:
-        c.pop("id", None)
-    return msg
-
-
 def _parse(text: str, partial: bool = False) -> dict:
-    return message_json(tool_harmony.parse(text, FORMATS["harmony"], ["get_weather", "get_time"], partial=partial))
+    return message_json(harmony.parse(text, FORMATS["harmony"], ["get_weather", "get_time"], partial=partial))
 
 
 # ---- the prompt -----------------------------------------------------------------------------------------
@@ -199,7 +174,7 @@ def test_parse_of_a_text_is_llama_servers(cpp, sp):
     # read as nothing once its <|end|> comes.  partial: a text that parses to nothing is not given
     # whole (llama-server gives the generated text whole, here nothing; the generated case is below)
     def none(t, partial=True):
-        return message_json(tool_harmony.parse(t, FORMATS["harmony"], ["get_weather"], partial=partial, calls=False))
+        return message_json(harmony.parse(t, FORMATS["harmony"], ["get_weather"], partial=partial, calls=False))
     for text in TEXTS + NONE_TEXTS:
         r = _cpp_parse(cpp, eog, text, "none")
         assert r.status_code == 200, (text, r.text)
@@ -268,7 +243,7 @@ def test_constrained_decode_is_llama_cpps_with_and_without_a_draft(cpp, serve, s
     ch = r.json()["choices"][0]
     text = ReplyText(target.token_to_piece, target.is_eog, plan.special_ids(target))
     text.push(ours.tokens)
-    reply = tool_harmony.parse(text.finish(), plan.fmt, plan.names, partial=ch["finish_reason"] == "length")
+    reply = harmony.parse(text.finish(), plan.fmt, plan.names, partial=ch["finish_reason"] == "length")
     assert _no_ids(ch["message"]) == _no_ids(message_json(reply)), text.text
     assert [c.name for c in reply.calls] == ([name] if name else [])
     if name:
@@ -334,22 +309,7 @@ def test_streamed_chunks_reassemble_to_the_call(serve, sp):
     full = _post(serve, "/v1/chat/completions", body).json()["choices"][0]
     events = sse_json(SESSION.post(serve.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True,
                                    timeout=600))
-    assert events[-1] == "[DONE]"
-    calls, finish, content, reasoning = {}, None, "", ""
-    for ev in events[:-1]:
-        ch = ev["choices"][0]
-        finish = ch["finish_reason"] or finish
-        content += ch["delta"].get("content") or ""
-        reasoning += ch["delta"].get("reasoning_content") or ""
-        for tc in ch["delta"].get("tool_calls", []):
-            c = calls.setdefault(tc["index"], {"id": tc.get("id"), "name": "", "arguments": ""})
-            c["name"] += tc.get("function", {}).get("name", "")
-            c["arguments"] += tc.get("function", {}).get("arguments", "")
-    assert finish == full["finish_reason"] == "tool_calls"
-    assert content == full["message"]["content"] and reasoning == full["message"].get("reasoning_content", "")
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
-        [(c["function"]["name"], c["function"]["arguments"]) for c in full["message"]["tool_calls"]]
-    assert all(c["id"] for c in calls.values())
+    calls = tt.check_streamed_call(events, full, reasoning=True)
     jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
 
 
@@ -406,7 +366,7 @@ def test_any_text_parses_and_streams_without_error():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from pyllama_dspark.speculative.tool_parse import ReplyDiffer
+    from pyllama_dspark.chat.parse import ReplyDiffer
 
     fmt = FORMATS["harmony"]
     pieces = st.sampled_from(["<|start|>assistant", "<|channel|>", "analysis", "commentary", "final", "<|message|>",
@@ -419,15 +379,12 @@ def test_any_text_parses_and_streams_without_error():
     @given(st.lists(pieces, max_size=24), st.integers(1, 7))
     def check(parts, step):
         text = "".join(parts)
-        final = tool_harmony.parse(text, fmt, ["ping"])
-        d = ReplyDiffer(fmt, ["ping"], parse=tool_harmony.parse)
-        content, reasoning, args = "", "", {}
-        for k in list(range(step, len(text), step)) + [len(text)]:
-            for delta in d.update(text[:k], final=k == len(text))[1]:
-                content += delta.get("content", "")
-                reasoning += delta.get("reasoning_content", "")
-                for tc in delta.get("tool_calls", []):
-                    args[tc["index"]] = args.get(tc["index"], "") + tc.get("function", {}).get("arguments", "")
+        final = harmony.parse(text, fmt, ["ping"])
+        d = ReplyDiffer(fmt, ["ping"], parse=harmony.parse)
+        got = tt.merge_deltas(delta for k in list(range(step, len(text), step)) + [len(text)]
+                              for delta in d.update(text[:k], final=k == len(text))[1])
+        content, reasoning = got["content"], got["reasoning_content"]
+        args = {i: c["arguments"] for i, c in got["tool_calls"].items()}
         last = d.prev
         assert len(last.calls) <= 1 and sorted(args) == list(range(len(last.calls))), (text, args)
         assert [args[i] for i in range(len(last.calls))] == [c.arguments for c in last.calls], text
@@ -461,11 +418,4 @@ def test_tool_choice_none_reply_is_llama_servers_and_streams_to_it(cpp, serve, s
             assert mine["message"] == theirs["message"] and mine["finish_reason"] == theirs["finish_reason"], bias
         events = sse_json(SESSION.post(serve.url + "/v1/chat/completions", json={**body, "stream": True},
                                        stream=True, timeout=600))
-        got = {"content": "", "reasoning_content": ""}
-        for ev in events[:-1]:
-            d = ev["choices"][0]["delta"]
-            assert "tool_calls" not in d
-            for k in got:
-                got[k] += d.get(k) or ""
-        assert got == {"content": mine["message"]["content"],
-                       "reasoning_content": mine["message"].get("reasoning_content", "")}, bias
+        assert tt.streamed_text(events[:-1]) == tt.message_text(mine["message"]), bias

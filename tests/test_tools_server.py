@@ -28,26 +28,17 @@ import pytest
 import tool_targets as tt
 from greedy_ref import TEST_THREADS
 from serve_helpers import SESSION, ServeProcess, sse_json
+from tool_targets import PARAMS, TIME, USER, WEATHER, calls as _calls, post as _post, strip_ids as _strip_ids
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.gguf.testing import make_test_draft
-from pyllama_dspark.speculative.tool_chat import tool_chat_for
-from pyllama_dspark.speculative import tool_codecs
-from pyllama_dspark.speculative.tool_parse import ReplyDiffer, ReplyText, message_json, parse_reply
-from pyllama_dspark.speculative.tool_request import check_tool_choice, check_tools, plan_tools
+from pyllama_dspark.chat.tool_prompt import tool_chat_for
+from pyllama_dspark.chat import tool_codecs
+from pyllama_dspark.chat.parse import ReplyDiffer, ReplyText, message_json, parse_reply
+from pyllama_dspark.chat.tool_request import check_tool_choice, check_tools, plan_tools
 
 pytestmark = pytest.mark.slow
 
-PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-                                           "unit": {"type": "string", "enum": ["c", "f"]}},
-          "required": ["city", "unit"]}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather",
-                                            "parameters": PARAMS}}
-TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time",
-                                         "parameters": {"type": "object", "properties": {
-                                             "city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
-                                             "required": ["city"]}}}
 TOOLS = [WEATHER, TIME]
-USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 N = 48
 KINDS = ("qwen3", "llama3", "mistral")
 
@@ -74,7 +65,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_server_bin():
-    from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
     return ensure_llama_server()
 
@@ -91,7 +82,7 @@ class _Servers:
         if key not in self._up:
             target, draft = self.files[kind]
             if which == "cpp":
-                from pyllama_dspark.tools.llama_server import LlamaServer
+                from pyllama_dspark.upstream.llama_server import LlamaServer
 
                 s = LlamaServer(self.binary, target, None, ctx=4096, threads=TEST_THREADS, extra_args=["--jinja"],
                                 trace=False, log_path=self.tmp / f"ls-{kind}.log").start()
@@ -111,15 +102,6 @@ def servers(files, llama_server_bin, tmp_path_factory):
     s = _Servers(files, llama_server_bin, tmp_path_factory.mktemp("tools-logs"))
     yield s
     s.close()
-
-
-def _post(srv, path: str, body: dict):
-    url = srv.base_url if hasattr(srv, "base_url") else srv.url
-    return SESSION.post(url + path, data=json.dumps(body), headers={"Content-Type": "application/json"}, timeout=600)
-
-
-def _calls(msg: dict) -> list:
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls") or []]
 
 
 @pytest.fixture(scope="module")
@@ -159,13 +141,6 @@ TEXTS = {
                 '[TOOL_CALLS][{"name": "get_time", "arguments": {"city": "Tokyo"}, "id": "A1b2c3d4e"}, {"name": '
                 '"get_weather", "arguments": {"city": "Lima", "unit": "f"}, "id": "B1b2c3d4e"}]', "No call here."],
 }
-
-
-def _strip_ids(msg: dict) -> dict:
-    msg = json.loads(json.dumps(msg))
-    for c in msg.get("tool_calls") or []:
-        c.pop("id", None)
-    return msg
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -356,22 +331,7 @@ def test_streamed_chunks_reassemble_to_the_call(servers, kind):
     srv = servers.get(kind, "draft")
     full = _post(srv, "/v1/chat/completions", body).json()["choices"][0]
     r = SESSION.post(srv.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=600)
-    events = sse_json(r)
-    assert events[-1] == "[DONE]"
-    calls, finish, content = {}, None, ""
-    for ev in events[:-1]:
-        ch = ev["choices"][0]
-        finish = ch["finish_reason"] or finish
-        content += ch["delta"].get("content") or ""
-        for tc in ch["delta"].get("tool_calls", []):
-            c = calls.setdefault(tc["index"], {"id": tc.get("id"), "name": "", "arguments": ""})
-            c["name"] += tc.get("function", {}).get("name", "")
-            c["arguments"] += tc.get("function", {}).get("arguments", "")
-    assert finish == full["finish_reason"] == "tool_calls"
-    assert content == full["message"]["content"]
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
-        [(c["function"]["name"], c["function"]["arguments"]) for c in full["message"]["tool_calls"]]
-    assert all(c["id"] for c in calls.values())
+    tt.check_streamed_call(sse_json(r), full)
 
 
 def test_a_tool_result_goes_back_in_and_the_conversation_goes_on(servers):
@@ -461,7 +421,7 @@ def test_openai_client_tools_round_trip(servers):
 # ---- SmolLM2: the generic form, "auto" triggered by the prompt, the shipped drafter -----------------
 def test_generic_auto_on_smollm2_emits_the_call_as_llama_cpps_lazy_grammar(target_path, llama_server_bin, tmp_path):
     from pyllama_dspark.paths import default_draft
-    from pyllama_dspark.tools.llama_server import LlamaServer
+    from pyllama_dspark.upstream.llama_server import LlamaServer
 
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Get the weather in a city",
                                                "parameters": {"type": "object", "properties": {
@@ -532,11 +492,4 @@ def test_tool_choice_none_reply_is_llama_servers_and_streams_to_it(servers, targ
     events = sse_json(SESSION.post(ours.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True,
                                    timeout=600))
     assert events[-1] == "[DONE]"
-    got = {"content": "", "reasoning_content": ""}
-    for ev in events[:-1]:
-        d = ev["choices"][0]["delta"]
-        assert "tool_calls" not in d
-        for k in got:
-            got[k] += d.get(k) or ""
-    assert got == {"content": mine["message"]["content"],
-                   "reasoning_content": mine["message"].get("reasoning_content", "")}
+    assert tt.streamed_text(events[:-1]) == tt.message_text(mine["message"])

@@ -20,13 +20,13 @@ from llama_cpp import llama_cpp as ll
 
 import tool_targets as tt
 from pyllama_dspark.decode.api import Speculator
-from pyllama_dspark.speculative.grammar import Grammar, GrammarCursor, _scratch
-from pyllama_dspark.speculative.grammar_lazy import LazyGrammar
-from pyllama_dspark.speculative.tool_chat import ToolChat
-from pyllama_dspark.speculative.tool_formats import FORMATS, UnsupportedToolFormat
-from pyllama_dspark.speculative.tool_grammar import ToolSchemaError, tool_grammar
-from pyllama_dspark.speculative.tool_parse import ReplyDiffer, parse_reply
-from pyllama_dspark.speculative.tool_request import (check_tool_choice, check_tool_messages, check_tools,
+from pyllama_dspark.llama.grammar import Grammar, GrammarCursor, _scratch
+from pyllama_dspark.llama.grammar_lazy import LazyGrammar
+from pyllama_dspark.chat.tool_prompt import ToolChat
+from pyllama_dspark.chat.formats import FORMATS, UnsupportedToolFormat
+from pyllama_dspark.chat.tool_grammar import ToolSchemaError, tool_grammar
+from pyllama_dspark.chat.parse import ReplyDiffer, parse_reply
+from pyllama_dspark.chat.tool_request import (check_tool_choice, check_tool_messages, check_tools,
                                                      plan_tools)
 
 WEATHER = {"type": "function", "function": {
@@ -322,7 +322,7 @@ def test_lazy_grammar_sampling_follows_llama_cpps_law(target_path, llama_refs):
     from llama_sampler_ref import LlamaChain
     from pyllama_dspark.paths import default_draft
     from pyllama_dspark.speculative.sampling_params import SamplingParams
-    from pyllama_dspark.speculative.tool_chat import tool_chat_for
+    from pyllama_dspark.chat.tool_prompt import tool_chat_for
 
     tools = check_tools([{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])
@@ -417,7 +417,7 @@ NONE_REPLIES = [   # (format, text, cut): a tool_choice "none" reply, streamed c
 def test_tool_choice_none_deltas_reassemble_to_the_message_and_hold_no_calls(kind, text, cut):
     """ReplyDiffer with the "none" parser (tool_codecs.parser(calls=False)): no calls, the deltas add
     up to the last message, and one that parses to nothing is the whole text (llama-server's)."""
-    from pyllama_dspark.speculative import tool_codecs
+    from pyllama_dspark.chat import tool_codecs
 
     fmt = _chat("Qwen-Qwen3-0.6B.jinja").format if kind == "qwen3" else (
         _chat("google-gemma-4-31B-it.jinja").format if kind == "gemma4" else FORMATS[kind])

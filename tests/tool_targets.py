@@ -8,9 +8,10 @@ the same prompt, builds the same kind of grammar, marks the same preserved token
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
 from pyllama_dspark.gguf.target_writer import make_test_target
 
@@ -50,7 +51,7 @@ TARGETS: Dict[str, ToolTarget] = {t.name: t for t in (
 
 
 def templates_dir() -> Path:
-    from pyllama_dspark.tools.llama_server_build import vendored_llama_cpp
+    from pyllama_dspark.upstream.llama_server_build import vendored_llama_cpp
 
     return Path(vendored_llama_cpp()) / "models" / "templates"
 
@@ -78,3 +79,94 @@ def whitespace_tokens(tokenize_piece, n_vocab: int) -> Sequence[int]:
         if p and not p.strip():
             out.append(t)
     return out
+
+
+# ---- the requests the tool tests share ----------------------------------------------------------------
+PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+                                           "unit": {"type": "string", "enum": ["c", "f"]}},
+          "required": ["city", "unit"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather",
+                                            "parameters": PARAMS}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time",
+                                         "parameters": {"type": "object", "properties": {
+                                             "city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+                                             "required": ["city"]}}}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def post(srv, path: str, body: dict):
+    """POST ``body`` as JSON to a llama-server (``base_url``) or a serve process (``url``)."""
+    from serve_helpers import SESSION
+
+    url = srv.base_url if hasattr(srv, "base_url") else srv.url
+    return SESSION.post(url + path, data=json.dumps(body), headers={"Content-Type": "application/json"}, timeout=600)
+
+
+def calls(msg: dict) -> list:
+    """A message's tool calls as ``(name, arguments parsed)``."""
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls") or []]
+
+
+def strip_ids(msg: dict) -> dict:
+    """A copy of ``msg`` without its tool calls' ids (each side makes up its own)."""
+    msg = json.loads(json.dumps(msg))
+    for c in msg.get("tool_calls") or []:
+        c.pop("id", None)
+    return msg
+
+
+# ---- what a stream adds up to -------------------------------------------------------------------------
+def merge_deltas(deltas: Iterable[dict], tool_calls: bool = True) -> dict:
+    """What chat-completion deltas add up to: ``content`` and ``reasoning_content`` concatenated, and
+    ``tool_calls`` by index, ``{index: {"id": the first delta's, "name", "arguments": concatenated}}``
+    in the order the indices first came.  ``tool_calls=False``: asserts no delta carries any."""
+    out: dict = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    for d in deltas:
+        assert tool_calls or "tool_calls" not in d, d
+        out["content"] += d.get("content") or ""
+        out["reasoning_content"] += d.get("reasoning_content") or ""
+        for tc in d.get("tool_calls", []):
+            c = out["tool_calls"].setdefault(tc["index"], {"id": tc.get("id"), "name": "", "arguments": ""})
+            c["name"] += tc.get("function", {}).get("name", "")
+            c["arguments"] += tc.get("function", {}).get("arguments", "")
+    return out
+
+
+def merge_chunks(chunks: Iterable[dict], tool_calls: bool = True) -> dict:
+    """:func:`merge_deltas` of streamed chunks (``choices[0]``), with their last ``finish_reason``."""
+    finish = None
+    deltas = []
+    for ev in chunks:
+        ch = ev["choices"][0]
+        finish = ch["finish_reason"] or finish
+        deltas.append(ch["delta"])
+    return {**merge_deltas(deltas, tool_calls), "finish_reason": finish}
+
+
+def streamed_text(chunks: Iterable[dict]) -> dict:
+    """The content and reasoning_content of streamed chunks that carry no tool call (asserted)."""
+    m = merge_chunks(chunks, tool_calls=False)
+    return {"content": m["content"], "reasoning_content": m["reasoning_content"]}
+
+
+def message_text(msg: dict) -> dict:
+    """A message's content and reasoning_content, as :func:`streamed_text` gives them."""
+    return {"content": msg["content"], "reasoning_content": msg.get("reasoning_content", "")}
+
+
+def check_streamed_call(events: list, full: dict, reasoning: bool = False) -> dict:
+    """A tool call's SSE ``events`` (ending in ``[DONE]``) reassemble to ``full`` (the same request's
+    ``choices[0]`` unstreamed): its finish_reason ``tool_calls``, content (and, with ``reasoning``, its
+    reasoning_content), the calls' names and arguments, every call with an id.  Returns the calls by index."""
+    assert events[-1] == "[DONE]", events[-1]
+    got = merge_chunks(events[:-1])
+    merged = got["tool_calls"]
+    assert got["finish_reason"] == full["finish_reason"] == "tool_calls", (got["finish_reason"], full)
+    assert got["content"] == full["message"]["content"], (got, full)
+    if reasoning:
+        assert got["reasoning_content"] == full["message"].get("reasoning_content", ""), (got, full)
+    mine = [(c["name"], c["arguments"]) for c in merged.values()]
+    assert mine == [(c["function"]["name"], c["function"]["arguments"]) for c in full["message"]["tool_calls"]], \
+        (mine, full)
+    assert all(c["id"] for c in merged.values()), merged
+    return merged

@@ -48,17 +48,12 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
     """Benchmark no draft / DFlash mode / DSpark side by side (tables like the llama.cpp PR's)."""
     from tqdm import tqdm
 
-    from pyllama_dspark.tools.bench import CONFIGS, SCHEDULED, has_confidence_head, open_configs, run_bench
-    from pyllama_dspark.tools.bench_report import plot_positions, report_json, report_text
-    from pyllama_dspark.cli.common import default_target, load_prompt_items
-    from pyllama_dspark.paths import resolve_random_draft
+    from pyllama_dspark.measure.bench import CONFIGS, SCHEDULED, has_confidence_head, open_configs, run_bench
+    from pyllama_dspark.measure.bench_report import plot_positions, report_json, report_text
+    from pyllama_dspark.cli.common import default_target, draft_arg, draft_file, load_prompt_items
 
-    from pyllama_dspark.speculative.oracle import parse_oracle
-
-    try:
-        oracle = parse_oracle(draft) is not None
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="-md")
+    draft = draft_arg(draft)
+    oracle = draft is not None and draft.is_oracle
     names = [c.strip() for c in configs.split(",") if c.strip()]
     auto = names == ["auto"]
     if auto:
@@ -81,15 +76,12 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
 
         sampling = SamplingParams(temperature=temp, seed=seed)
     target = model or default_target()
-    try:
-        draft = resolve_random_draft(draft, target)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="-md")
-    if auto and temp == 0 and not oracle and has_confidence_head(draft):
+    path = None if oracle else draft_file(draft, target)   # a generated draft is written here
+    if auto and temp == 0 and not oracle and has_confidence_head(path):
         names += list(SCHEDULED)
     if temp > 0 and any(c in SCHEDULED for c in names):
         raise click.BadParameter("the scheduled configurations are greedy only (--temp 0)", param_hint="--configs")
-    if any(c in SCHEDULED for c in names) and not has_confidence_head(draft):
+    if any(c in SCHEDULED for c in names) and not has_confidence_head(path):
         raise click.BadParameter("the scheduled configurations need a DSpark draft with a confidence head",
                                  param_hint="--configs")
     items = load_prompt_items(prompts, limit)
@@ -116,7 +108,7 @@ def bench(model, draft, prompts, limit, configs, conf_min, p_survival, n_predict
         for sp in sps.values():
             sp.close()
 
-    meta = {"target": target, "draft": draft, "configs": names, "n_predict": n_predict, "n_max": n_max,
+    meta = {"target": target, "draft": path or (draft.text if draft else None), "configs": names, "n_predict": n_predict, "n_max": n_max,
             "conf_min": conf_min, "p_survival_min": p_survival,
             "temperature": temp, "seed": seed if temp > 0 else None, "limit_per_file": limit,
             "threads": threads, "n_ctx": n_ctx, "flash_attn": flash_attn, "prompts": len(items)}

@@ -1,4 +1,4 @@
-"""What every command shares: the default models as click errors, -md random, llama.cpp's sampling flags."""
+"""What every command shares: the default models as click errors, -md parsed, llama.cpp's sampling flags."""
 
 from __future__ import annotations
 
@@ -93,11 +93,23 @@ def load_prompt_items(prompts, limit: int):
     return items
 
 
-def resolve_draft_arg(draft: Optional[str], target: str) -> Optional[str]:
-    """-md values 'random' / 'random-dspark' / 'random-dflash' (each with an optional ':TYPE',
-    e.g. 'random:q8_0') become a cached random draft (:func:`paths.resolve_random_draft`)."""
+def draft_arg(draft: Optional[str], *, dflash_mode: bool = False):
+    """-md's value as a :class:`~pyllama_dspark.drafts.spec.DraftSpec` (None: none); a usage error
+    when it is malformed (an unknown ':TYPE', 'oracle' without a P in [0, 1])."""
+    from pyllama_dspark.drafts.spec import parse_draft
+
     try:
-        return paths.resolve_random_draft(draft, target)
+        return parse_draft(draft, dflash_mode=dflash_mode)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-md")
+
+
+def draft_file(spec, target: str) -> Optional[str]:
+    """The GGUF file ``spec`` names beside ``target`` (a generated one written first); None for none."""
+    if spec is None:
+        return None
+    try:
+        return spec.file(target)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="-md")
 

@@ -45,8 +45,8 @@ def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max
                n_ctx, n_batch, threads, flash_attn, n_gpu_layers, offload, seed, json_path):
     """Check our loop against plain greedy, llama.cpp's C++ driver and the numpy draft graph."""
     from pyllama_dspark.decode.api import Speculator
-    from pyllama_dspark.cli.common import default_target, load_prompt_items, resolve_draft_arg
-    from pyllama_dspark.tools.crosscheck import open_plain_llama, report_text, run_crosscheck
+    from pyllama_dspark.cli.common import default_target, draft_arg, draft_file, load_prompt_items
+    from pyllama_dspark.measure.crosscheck import open_plain_llama, report_text, run_crosscheck
 
     for name, v in (("--limit", limit), ("-n", n_predict), ("--n-max", n_max)):
         if v <= 0:
@@ -57,7 +57,10 @@ def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max
                                  "with llama-server --rpc in a separate run (docs/scale-out.md)",
                                  param_hint="--llama-server")
     target = model or default_target()
-    draft = resolve_draft_arg(draft, target)
+    spec = draft_arg(draft)
+    if spec.is_oracle:
+        raise click.BadParameter("crosscheck checks a draft file against llama.cpp; oracle:P is not one", param_hint="-md")
+    draft = draft_file(spec, target)   # 'random': written into the cache
     items = load_prompt_items(prompts, limit)
 
     server = None
@@ -76,15 +79,15 @@ def crosscheck(ctx, model, draft, llama_server, prompts, limit, n_predict, n_max
         prompt_toks = [(f"{it.source}#{it.index}", sp.chat_prompt([{"role": "user", "content": it.turns[0]}]).tokens)
                        for it in items]
         if ref_blocks > 0:
-            from pyllama_dspark.tools.reference.model import DraftReference
+            from pyllama_dspark.reference.model import DraftReference
 
             try:
                 reference = DraftReference(draft, target, flash_attn=flash_attn != "off")
             except NotImplementedError as e:
                 click.echo(f"warning: no numpy reference for this draft ({e}); draft-graph check skipped", err=True)
         if llama_server:
-            from pyllama_dspark.tools.llama_server import LlamaServer
-            from pyllama_dspark.tools.llama_server_build import ensure_llama_server
+            from pyllama_dspark.upstream.llama_server import LlamaServer
+            from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
 
             binary = ensure_llama_server() if llama_server == "auto" else llama_server
             spec_type = "draft-dspark" if sp.proposer.name == "dspark" else "draft-dflash"

@@ -8,7 +8,7 @@ import warnings
 
 import click
 
-from pyllama_dspark.cli.common import (default_target, ngl_option, offload_options, resolve_draft_arg, sampling_from_options,
+from pyllama_dspark.cli.common import (default_target, ngl_option, offload_options, draft_arg, sampling_from_options,
                                        sampling_options)
 from pyllama_dspark.cli.sched import check_schedule_options, register as _register_sched, with_schedule_options
 from pyllama_dspark.errors import DSparkError
@@ -71,23 +71,18 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
         raise click.BadParameter("must be >= 1", param_hint="-n")
     from pyllama_dspark.decode.api import Speculator
     from pyllama_dspark.decode.cycle import Chunk
-    from pyllama_dspark.speculative.oracle import parse_oracle
     from pyllama_dspark.speculative.policy_factory import pick_mode
 
-    try:
-        oracle = parse_oracle(draft) is not None
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="-md")
+    draft = draft_arg(draft)
+    oracle = draft is not None and draft.is_oracle
     if oracle and not sampling.is_greedy and not no_draft:
         raise click.BadParameter("the oracle proposer is greedy only (--temp 0)", param_hint="-md")
     check_schedule_options(not no_draft and (draft is not None or model is None), schedule, calibration, profile_path)
     target = model or default_target()
     if model is None and draft is None and not no_draft:
-        draft = default_draft()
+        draft = draft_arg(default_draft())
     if prompt is None:
         prompt = sys.stdin.read()
-    if not no_draft:
-        draft = resolve_draft_arg(draft, target)
     if no_draft:
         draft = None
     with warnings.catch_warnings():

@@ -1,5 +1,5 @@
 """``pyllama-dspark rpc-server``: llama.cpp's own ``ggml-rpc-server``, built from the vendored sources
-on the installed libraries (:mod:`pyllama_dspark.tools.rpc_build`) and run with its flags."""
+on the installed libraries (:mod:`pyllama_dspark.upstream.rpc_build`) and run with its flags."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def rpc_server(host, port, threads, device, cache):
     Not secure: anyone who reaches the port can run graphs and read memory on this machine. Bind
     it to 127.0.0.1 or a private network only. One client at a time: each client (one run, one serve
     process) needs its own set of rpc-servers."""
-    from pyllama_dspark.tools.llama_server_sdist import LlamaServerBuildError
-    from pyllama_dspark.tools.rpc_build import rpc_server_binary
+    from pyllama_dspark.upstream.llama_server_sdist import LlamaServerBuildError
+    from pyllama_dspark.upstream.rpc_build import rpc_server_binary
 
     if not 0 < port < 65536:
         raise click.BadParameter("must be in 1..65535", param_hint="--port")

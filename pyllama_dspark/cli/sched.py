@@ -28,13 +28,17 @@ def _target_path(model):
     return model or default_target()
 
 
-def _draft_path(draft, target):
-    from pyllama_dspark.paths import resolve_random_draft
+def _draft_spec(draft):
+    from pyllama_dspark.cli.common import draft_arg
 
-    try:
-        return resolve_random_draft(draft, target)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="-md")
+    return draft_arg(draft)
+
+
+def _draft_path(draft, target):
+    """The GGUF file -md names (a generated draft written first); None for none."""
+    from pyllama_dspark.cli.common import draft_file
+
+    return draft_file(_draft_spec(draft), target)
 
 
 _common = [
@@ -92,7 +96,7 @@ def profile_cmd(model, draft, n_ctx, threads, flash_attn, b_max, repeats, output
             raise click.ClickException(str(e))
         return
     try:
-        with Speculator(target, _draft_path(draft, target), n_ctx=n_ctx, n_threads=threads,
+        with Speculator(target, _draft_spec(draft), n_ctx=n_ctx, n_threads=threads,
                         flash_attn=flash_attn, schedule="off", n_gpu_layers=n_gpu_layers, **offload) as sp:
             bar = tqdm(total=repeats * b_max, desc="profiling", unit="decode", leave=False)
 
@@ -134,7 +138,7 @@ def calibrate_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, limit,
 
     from pyllama_dspark.decode.loop import Decoder
     from pyllama_dspark.speculative.calibration import fit, reliability_png
-    from pyllama_dspark.llama.chat import build_chat_prompt
+    from pyllama_dspark.chat.prompt import build_chat_prompt
     from pyllama_dspark.llama.models import open_models
     from pyllama_dspark.prompts import load_prompts
 
@@ -249,27 +253,25 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
     from tabulate import tabulate
     from tqdm import tqdm
 
-    from pyllama_dspark.decode.api import Speculator, oracle_draft_for
+    from pyllama_dspark.cli.common import draft_arg, draft_file
+    from pyllama_dspark.decode.api import Speculator
     from pyllama_dspark.decode.loop import Decoder
-    from pyllama_dspark.gguf.draft_types import split_draft_type
-    from pyllama_dspark.llama.chat import build_chat_prompt
+    from pyllama_dspark.chat.prompt import build_chat_prompt
     from pyllama_dspark.llama.models import open_models
     from pyllama_dspark.prompts import load_prompts
     from pyllama_dspark.speculative import costprofile
     from pyllama_dspark.speculative.drafter import DraftModelProposer
-    from pyllama_dspark.speculative.oracle import OracleDraft, parse_oracle
+    from pyllama_dspark.speculative.oracle import OracleDraft
     from pyllama_dspark.speculative.policy_factory import make_policy as factory
 
     target_p = _target_path(model)
+    spec = draft_arg(draft or "random")
+    only_oracle = spec.oracle_p
     try:
-        only_oracle = parse_oracle(draft)
         accs = [only_oracle] if only_oracle is not None else [float(x) for x in accuracies.split(",") if x.strip()]
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="-md / --accuracies")
-    if only_oracle is not None:
-        draft_p = oracle_draft_for(target_p, split_draft_type(draft)[1])   # oracle:P[:TYPE]
-    else:
-        draft_p = _draft_path(draft or "random", target_p)
+        raise click.BadParameter(str(e), param_hint="--accuracies")
+    draft_p = draft_file(spec, target_p)   # oracle:P[:TYPE]: the draft whose pass it pays
     r_list = [int(x) for x in rs.split(",") if x.strip()]
     items = load_prompts(prompt_paths, limit_per_file=limit)
     place = dict(n_gpu_layers=n_gpu_layers, **offload)
@@ -280,7 +282,7 @@ def bench_schedule_cmd(model, draft, n_ctx, threads, flash_attn, prompt_paths, l
         prompts = [build_chat_prompt(sp.target, [{"role": "user", "content": it.turns[0]}]).tokens for it in items]
         refs = [sp.generate(p, n_predict, ignore_eos=False).tokens for p in prompts]
     click.echo(prof.table(), err=True)
-    label = "random draft" if (draft or "random") == "random" else f"draft {os.path.basename(draft_p)}"
+    label = "random draft" if spec.random_kind else f"draft {os.path.basename(draft_p)}"
     sources = ([] if only_oracle is not None else [(label, None)]) + [(f"oracle:{a:g}", a) for a in accs]
     configs = [("no draft", "none"), ("fixed", "off"), (f"static {conf_min}", "static"), ("profiled", "profiled"),
                ("auto", "auto")]

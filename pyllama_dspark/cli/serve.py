@@ -11,20 +11,9 @@ from typing import Optional
 
 import click
 
-from pyllama_dspark.cli.common import ngl_option, offload_options, resolve_draft_arg, sampling_from_options, sampling_options
+from pyllama_dspark.cli.common import ngl_option, offload_options, draft_arg, draft_file, sampling_from_options, sampling_options
 from pyllama_dspark.cli.sched import make_policy, with_schedule_options
 from pyllama_dspark.errors import DSparkError
-
-
-def resolve_draft(target: str, draft, spec_type: str):
-    """The draft path to load: 'random' drafts are written into the cache; ``draft-dflash`` on a
-    DSpark draft runs its DFlash mode (the Markov / confidence heads removed)."""
-    draft = resolve_draft_arg(draft, target)
-    if draft is not None and spec_type == "draft-dflash":
-        from pyllama_dspark.tools.dflash_mode import dflash_mode_draft
-
-        draft = dflash_mode_draft(draft)
-    return draft
 
 
 def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int, threads, flash_attn: str,
@@ -125,7 +114,9 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
                            gamma=sp.n_max)
 
     try:
-        draft = resolve_draft(target, draft, spec_type)
+        # 'random' drafts are written into the cache; draft-dflash runs a DSpark draft's DFlash mode
+        spec = draft_arg(draft, dflash_mode=spec_type == "draft-dflash")
+        draft = spec if spec is not None and spec.is_oracle else draft_file(spec, target)
         if n_slots > 1 and cont_batching:
             from pyllama_dspark.serve.batch_pool import open_batched_pool
 
@@ -149,7 +140,7 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
                                                        presence_penalty, frequency_penalty))
     sp = pool.front
     meta = {"n_ctx": pool.n_ctx, "n_vocab": sp.target.n_vocab, "n_embd": sp.target.n_embd,
-            "draft": os.path.basename(draft) if draft else None,
+            "draft": os.path.basename(str(draft)) if draft else None,
             "draft_kind": sp.proposer.name if draft else None, "n_max": sp.n_max if draft else 0,
             "n_slots": pool.n_slots, "cont_batching": bool(n_slots > 1 and cont_batching)}
     config = ServerConfig(model_id=alias or os.path.basename(target), api_key=api_key,

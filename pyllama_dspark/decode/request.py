@@ -63,10 +63,10 @@ def check_logit_bias(logit_bias, n_vocab: int) -> Optional[dict]:
 
 
 def make_grammar(grammar, target):
-    """A :class:`~..speculative.grammar.GrammarCursor` for a GBNF string or a compiled Grammar (None: none)."""
+    """A :class:`~..llama.grammar.GrammarCursor` for a GBNF string or a compiled Grammar (None: none)."""
     if grammar is None:
         return None
-    from pyllama_dspark.speculative.grammar import Grammar, GrammarCursor
+    from pyllama_dspark.llama.grammar import Grammar, GrammarCursor
 
     if isinstance(grammar, str):
         grammar = Grammar.compile(grammar, target)

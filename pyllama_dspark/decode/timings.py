@@ -52,7 +52,7 @@ def llama_timings(stats: Any) -> Dict[str, Any]:
 
 def timing_log_lines(slot: int, task: int, stats: Any) -> List[str]:
     """llama-server's ``print_timings`` lines for one finished request (same wording and layout,
-    so the parser in :mod:`pyllama_dspark.tools.llama_server_log` reads our log as it reads llama-server's)."""
+    so the parser in :mod:`pyllama_dspark.upstream.llama_server_log` reads our log as it reads llama-server's)."""
     t = llama_timings(stats)
     head = f"slot print_timings: id {slot:2d} | task {task} | "
     lines = [

@@ -27,17 +27,14 @@ so the ``q4_0`` draft is, byte for byte, what ``llama-quantize`` makes of the ``
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Sequence
 
-__all__ = ["DRAFT_TYPES", "DEFAULT_DRAFT_TYPE", "draft_tensor_type", "draft_file_type", "check_draft_type",
-           "split_draft_type", "RANDOM_DRAFT_KINDS"]
+__all__ = ["DRAFT_TYPES", "DEFAULT_DRAFT_TYPE", "draft_tensor_type", "draft_file_type", "check_draft_type"]
 
 #: ``--type`` values of the test drafts; the default first
 DRAFT_TYPES = ("bf16", "f32", "f16", "q8_0", "q4_0")
 #: what released drafters are, and what ``make-test-draft`` / ``-md random`` / ``-md oracle:P`` write
 DEFAULT_DRAFT_TYPE = "bf16"
-#: ``-md`` names of the cached random drafts -> the draft kind
-RANDOM_DRAFT_KINDS = {"random": "dspark", "random-dspark": "dspark", "random-dflash": "dflash"}
 
 _BLOCK = 32          # QK8_0 == QK4_0
 
@@ -74,32 +71,3 @@ def draft_file_type(weight_type: str) -> int:
     ft = gguf.LlamaFileType
     return int({"f32": ft.ALL_F32, "f16": ft.MOSTLY_F16, "bf16": ft.MOSTLY_BF16, "q8_0": ft.MOSTLY_Q8_0,
                 "q4_0": ft.MOSTLY_Q4_0}[check_draft_type(weight_type)])
-
-
-def split_draft_type(spec: Optional[str]) -> Tuple[Optional[str], Optional[str]]:
-    """``-md`` value -> (the value without its weight type, the type or None).
-
-    The generated drafts take an optional ``:TYPE`` (one of :data:`DRAFT_TYPES`):
-    ``random[:TYPE]``, ``random-dspark[:TYPE]``, ``random-dflash[:TYPE]`` and ``oracle:P[:TYPE]``.
-    Any other value (a file path) comes back unchanged with None.  Raises ValueError on an unknown
-    type."""
-    if not isinstance(spec, str):
-        return spec, None
-    parts = spec.split(":")
-    if parts[0] in RANDOM_DRAFT_KINDS:
-        n_base = 1
-    elif parts[0] == "oracle":
-        n_base = 2
-    else:
-        return spec, None
-    if len(parts) <= n_base:
-        return spec, None
-    if len(parts) > n_base + 1:
-        raise ValueError(f"{spec!r}: expected {':'.join(parts[:n_base])}:TYPE with the weight type one of "
-                         f"{', '.join(DRAFT_TYPES)}")
-    try:
-        wt = check_draft_type(parts[n_base])
-    except ValueError:
-        raise ValueError(f"{spec!r}: unknown draft weight type {parts[n_base]!r}; choose from "
-                         f"{', '.join(DRAFT_TYPES)}") from None
-    return ":".join(parts[:n_base]), wt

@@ -2,7 +2,7 @@
 
 Used by the random-weight draft writer (:mod:`pyllama_dspark.gguf.testing`, and through it the trained
 draft export and the cached random drafts of :mod:`pyllama_dspark.paths`), the random-weight target
-writer (:mod:`pyllama_dspark.gguf.target_writer`) and :mod:`pyllama_dspark.tools.dflash_mode`.
+writer (:mod:`pyllama_dspark.gguf.target_writer`) and :mod:`pyllama_dspark.drafts.dflash_mode`.
 
 Metadata is an ordered ``key -> (value, GGUFValueType, sub_type)`` mapping (``sub_type`` for
 arrays); tensors an ordered ``name -> (data, raw_dtype)`` mapping as :func:`encode` returns it

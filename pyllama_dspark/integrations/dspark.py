@@ -20,7 +20,7 @@ and is closed, before the context is freed, when the Llama closes.
 
 ``grammar`` (a ``LlamaGrammar``), ``response_format`` (llama-cpp-python's chat handlers turn it into
 a grammar) and ``logit_bias`` work as in ``Llama``, under speculation (llama.cpp's grammar engine,
-:mod:`~pyllama_dspark.speculative.grammar`).  ``tools`` / ``tool_choice`` give ``serve``'s tool calls
+:mod:`~pyllama_dspark.llama.grammar`).  ``tools`` / ``tool_choice`` give ``serve``'s tool calls
 (:mod:`.dspark_tools`: the same prompt, grammar and parse) unless a ``chat_handler`` / ``chat_format``
 was chosen.  Not supported (a clear ValueError): logprobs, logits_processor, stopping_criteria,
 suffix, mirostat, typical_p != 1.  Repeat / presence /
@@ -39,7 +39,7 @@ from pyllama_dspark.integrations.dspark_tools import legacy_tools, tool_chat, to
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.speculative import policy_memory
 from pyllama_dspark.speculative.policy_factory import make_policy
-from pyllama_dspark.llama.chat import chat_formatter
+from pyllama_dspark.chat.prompt import chat_formatter
 from pyllama_dspark.speculative.drafter import DraftModelProposer, NoDraft, check_n_max, clamp_n_max
 from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.decode.cycle import Chunk, Done

@@ -1,7 +1,7 @@
 """``DSpark.create_chat_completion(tools=...)``: the same calls as ``serve``.
 
 The prompt, the grammar (strict for ``"required"`` / a named function, lazy for ``"auto"``) and the
-parse are :mod:`pyllama_dspark.speculative.tool_request`'s, as in ``serve``; the dicts are
+parse are :mod:`pyllama_dspark.chat.tool_request`'s, as in ``serve``; the dicts are
 llama-cpp-python's chat schema (``choices[0].message.tool_calls``, ``finish_reason: "tool_calls"``,
 stream chunks with ``delta.tool_calls``) plus llama-server's ``timings``.  Legacy ``functions`` /
 ``function_call`` are read as ``tools`` / ``tool_choice``, as llama-cpp-python's handlers read them.
@@ -16,9 +16,9 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.integrations import openai_dicts as oai
-from pyllama_dspark.speculative.tool_chat import tool_chat_for
-from pyllama_dspark.speculative.tool_parse import ReplyText, message_json
-from pyllama_dspark.speculative.tool_request import (ToolPlan, check_tool_choice, check_tool_messages, check_tools,
+from pyllama_dspark.chat.tool_prompt import tool_chat_for
+from pyllama_dspark.chat.parse import ReplyText, message_json
+from pyllama_dspark.chat.tool_request import (ToolPlan, check_tool_choice, check_tool_messages, check_tools,
                                                      plan_tools)
 
 __all__ = ["wants_tools", "tool_plan", "tool_chat"]

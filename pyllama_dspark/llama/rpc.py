@@ -14,7 +14,7 @@ which no Python code can catch.  So, before anything reaches it:
 - an abort callback (``ggml_set_abort_callback``) turns a server lost later, mid-generation, into
   one clear last line on stderr and exit status 1, instead of an abort with a backtrace.
 
-The module itself (``libggml-rpc.so``) is built by :mod:`pyllama_dspark.tools.rpc_build`; the
+The module itself (``libggml-rpc.so``) is built by :mod:`pyllama_dspark.upstream.rpc_build`; the
 package installs that builder as this module's provider (``set_module_provider``).
 """
 

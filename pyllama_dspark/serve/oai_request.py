@@ -319,7 +319,7 @@ def tokenize_mixed(prompt: Union[str, Sequence[Union[int, str]]], tokenize: Call
 def grammar_text(req: GenRequest) -> Optional[str]:
     """The GBNF a request constrains its output with (its JSON schema converted), or None."""
     if req.json_schema is not None:
-        from pyllama_dspark.speculative import grammar as gmod
+        from pyllama_dspark.llama import grammar as gmod
 
         if req.json_schema == {"type": "object"}:
             return gmod.JSON_OBJECT_GBNF
@@ -333,7 +333,7 @@ def grammar_text(req: GenRequest) -> Optional[str]:
 def check_grammar(gbnf: str, target: Any) -> None:
     """Compile ``gbnf`` against the target's vocabulary once (RequestError with llama.cpp's parser
     message when it does not compile), then free it: the engine compiles its own per request."""
-    from pyllama_dspark.speculative.grammar import Grammar
+    from pyllama_dspark.llama.grammar import Grammar
 
     try:
         g = Grammar.compile(gbnf, target)

@@ -1,6 +1,6 @@
 """A chat request's tool fields: ``tools``, ``tool_choice``, ``parallel_tool_calls`` and
 ``chat_template_kwargs`` (llama-server's names and defaults), checked with the conversation's
-``tool_calls`` / ``tool_call_id`` (:mod:`~pyllama_dspark.speculative.tool_request`): every mistake is a
+``tool_calls`` / ``tool_call_id`` (:mod:`~pyllama_dspark.chat.tool_request`): every mistake is a
 400 that says what is wrong.
 
 As llama-server: ``tools`` together with ``grammar`` is refused unless ``tool_choice`` is "none", and
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from pyllama_dspark.serve.oai_errors import RequestError, _typename
-from pyllama_dspark.speculative.tool_request import check_tool_choice, check_tool_messages, check_tools
+from pyllama_dspark.chat.tool_request import check_tool_choice, check_tool_messages, check_tools
 
 __all__ = ["ToolFields", "parse_tool_fields"]
 

@@ -2,7 +2,7 @@
 (:func:`tool_prompt`), and its reply -> ``message.tool_calls`` / streaming ``delta.tool_calls``
 (:class:`ToolReply`), as llama-server ``--jinja`` answers them.
 
-The prompt, the grammar and the parse are :mod:`pyllama_dspark.speculative.tool_request`'s (shared with
+The prompt, the grammar and the parse are :mod:`pyllama_dspark.chat.tool_request`'s (shared with
 the ``DSpark`` class).  Here: the errors as HTTP errors (a template whose tool format is not built:
 400 naming it; a tool schema the converter cannot do: 400), the reply's text from its tokens (the
 format's control tokens rendered, as llama-server renders its "preserved tokens"), and llama-server's
@@ -16,9 +16,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from pyllama_dspark.decode.cycle import Done
 from pyllama_dspark.serve.oai_errors import RequestError
-from pyllama_dspark.speculative.tool_chat import tool_chat_for
-from pyllama_dspark.speculative.tool_parse import Reply, ReplyText, message_json
-from pyllama_dspark.speculative.tool_request import ToolPlan, ToolSchemaError, UnsupportedToolFormat, plan_tools
+from pyllama_dspark.chat.tool_prompt import tool_chat_for
+from pyllama_dspark.chat.parse import Reply, ReplyText, message_json
+from pyllama_dspark.chat.tool_request import ToolPlan, ToolSchemaError, UnsupportedToolFormat, plan_tools
 
 __all__ = ["tool_prompt", "ToolReply", "render_prompt"]
 

@@ -34,7 +34,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from pyllama_dspark.gguf.draft_types import split_draft_type
 from pyllama_dspark.speculative.drafter import EMPTY, BlockRequest, Proposal, Proposer, propose_all
 
 
@@ -222,24 +221,6 @@ def greedy_reference(target, prompt: Sequence[int], n: int, seq_id: int = 0) -> 
     finally:
         target.seq_rm(seq_id, 0, -1)
     return out
-
-
-def parse_oracle(spec: Optional[str]) -> Optional[float]:
-    """``oracle:P`` (``-md``) -> P, the probability that a block is entirely right; None when
-    ``spec`` is not an oracle.  Raises ValueError on a malformed one."""
-    if not isinstance(spec, str) or not spec.startswith("oracle"):
-        return None
-    spec = split_draft_type(spec)[0]   # oracle:P:TYPE: the type of the draft whose pass it pays
-    head, _, value = spec.partition(":")
-    if head != "oracle" or not value:
-        raise ValueError(f"{spec!r}: expected oracle:P with P in [0, 1], e.g. oracle:0.9")
-    try:
-        p = float(value)
-    except ValueError:
-        raise ValueError(f"{spec!r}: expected oracle:P with P in [0, 1], e.g. oracle:0.9") from None
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"{spec!r}: P must be in [0, 1]")
-    return p
 
 
 class OracleDraft(Proposer):

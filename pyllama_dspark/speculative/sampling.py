@@ -8,7 +8,7 @@ speculative accept rule reduces to "draft == penalized argmax", the history incl
 prefix.
 
 A request's ``logit_bias`` (token id -> bias added to its logit, -inf: never drawn) and grammar (a
-:class:`~.grammar.GrammarCursor` over llama.cpp's grammar engine) act on the target's rows before
+:class:`~pyllama_dspark.llama.grammar.GrammarCursor` over llama.cpp's grammar engine) act on the target's rows before
 the chain: the chain runs on the biased row with every token the grammar rejects at -inf, so the
 output follows constrained sampling from the target (at T = 0 the constrained argmax, found with
 one single-token grammar check when the unconstrained pick is allowed).  The draft's rows

@@ -148,7 +148,7 @@ def generate_dataset(target_path: str, capture_layers: Sequence[int], instructio
     """Generate (or resume) the dataset for ``instructions`` into ``out_dir``; returns counters.
 
     Instruction ``i`` gets id ``i`` (its follow-up turn, when it has one, id ``i + 10**6``)."""
-    from pyllama_dspark.llama.chat import build_chat_prompt
+    from pyllama_dspark.chat.prompt import build_chat_prompt
     from pyllama_dspark.llama.handles import ContextSettings, Target
 
     out = Path(out_dir)

@@ -1,6 +1,6 @@
 """The DSpark draft network in PyTorch, computing exactly what llama.cpp's ``dflash`` graph does.
 
-Mirrors ``src/models/dflash.cpp`` (and :mod:`pyllama_dspark.tools.reference`, its numpy twin):
+Mirrors ``src/models/dflash.cpp`` (and :mod:`pyllama_dspark.reference`, its numpy twin):
 
 * context rows (injected): ``g = RMSNorm(fc · features) * enc_norm``; per layer ``K = k_norm(W_k g)``
   roped (NeoX pairing) at the row's position and ``V = W_v g`` -- no ``attn_norm`` on this path;

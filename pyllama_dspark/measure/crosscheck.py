@@ -9,7 +9,7 @@ Per prompt (chat template applied, greedy):
    settings through llama-server's DSpark/DFlash path: same tokens, same drafted / accepted totals
    (its ``timings``) and the same per-step (drafted, accepted) sequence (``LLAMA_TRACE=1`` log);
 3. **the draft graph**: on sampled blocks of the committed sequence, llama.cpp's draft logits and
-   confidences against the numpy reference (:mod:`pyllama_dspark.tools.reference`, float64) fed with
+   confidences against the numpy reference (:mod:`pyllama_dspark.reference`, float64) fed with
    the very target features llama.cpp injected; max error per tensor, argmax agreement away from
    near-ties, and non-finite outputs.
 
@@ -131,7 +131,7 @@ def check_draft_graph(sp, reference, sequence: Sequence[int], positions: Sequenc
     """llama.cpp's draft blocks at ``positions`` of ``sequence`` against the numpy reference.
 
     ``sp``: a Speculator with a draft (its contexts are used and left empty); ``reference``: a
-    :class:`~pyllama_dspark.tools.reference.model.DraftReference` of the same draft and target."""
+    :class:`~pyllama_dspark.reference.model.DraftReference` of the same draft and target."""
     draft, target, prop = sp.draft, sp.target, sp.proposer
     meta = draft.meta
     seq = np.asarray(list(sequence), dtype=np.int32)

@@ -4,7 +4,7 @@ Configurations (all on the same target, each with its own contexts, loaded once)
 
 * ``none``   -- the target alone (the baseline);
 * ``dflash`` -- the draft in DFlash mode: the same GGUF without the Markov / confidence heads
-  (:func:`~pyllama_dspark.tools.dflash_mode.dflash_mode_draft`), i.e. plain parallel drafting;
+  (:func:`~pyllama_dspark.drafts.dflash_mode.dflash_mode_draft`), i.e. plain parallel drafting;
 * ``dspark`` -- the draft as it is, with the default automatic verification schedule (drafts
   verified only where it pays on this machine's cost curve);
 * ``dspark-fixed`` -- the draft as it is, every drafted token verified: llama.cpp's fixed block
@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
+from pyllama_dspark.drafts.spec import DraftSpec, parse_draft
 from pyllama_dspark.prompts import PromptItem
 
 CONFIGS = ("none", "dflash", "dspark", "dspark-fixed", "dspark-static", "dspark-survival")
@@ -86,15 +87,16 @@ def rotated(configs: Sequence[str], i: int) -> List[str]:
     return list(configs[k:]) + list(configs[:k])
 
 
-def draft_for(config: str, draft: Optional[str]) -> Optional[str]:
+def draft_for(config: str, draft) -> Optional[DraftSpec]:
+    """The draft configuration ``config`` runs (None: none): ``draft`` (a path, an ``-md`` name or a
+    :class:`~pyllama_dspark.drafts.spec.DraftSpec`) as it is, or in DFlash mode."""
     if config == "none":
         return None
+    draft = parse_draft(draft)
     if draft is None:
         raise ValueError(f"configuration {config!r} needs a draft")
     if config == "dflash":
-        from pyllama_dspark.tools.dflash_mode import dflash_mode_draft
-
-        return dflash_mode_draft(draft)
+        return draft.as_dflash_mode()
     if config in ("dspark", "dspark-fixed") or config in SCHEDULED:
         return draft
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
@@ -103,7 +105,7 @@ def draft_for(config: str, draft: Optional[str]) -> Optional[str]:
 class ScheduledRunner:
     """DSpark with a verify policy, through the batched decoder on one sequence (greedy)."""
 
-    def __init__(self, target: str, draft: str, mode: str, *, n_max: int = 7, conf_min: float = 0.5,
+    def __init__(self, target: str, draft: DraftSpec, mode: str, *, n_max: int = 7, conf_min: float = 0.5,
                  p_survival_min: float = 0.3, n_ctx: int = 4096, n_threads=None, flash_attn: str = "auto",
                  n_gpu_layers="auto", **offload):
         from pyllama_dspark.decode.loop import Decoder
@@ -113,7 +115,7 @@ class ScheduledRunner:
 
         cs = ContextSettings(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers,
                              **offload)
-        self.target, self.draft, _ = open_models(target, draft, cs)
+        self.target, self.draft, _ = open_models(target, draft.file(target), cs)
         try:
             policy = VerifyPolicy(mode=mode, conf_min=conf_min if mode == "static" else 0.0,
                                   p_survival_min=p_survival_min if mode == "survival" else 0.0, gamma=n_max)
@@ -123,7 +125,7 @@ class ScheduledRunner:
             raise
 
     def chat_prompt(self, messages):
-        from pyllama_dspark.llama.chat import build_chat_prompt
+        from pyllama_dspark.chat.prompt import build_chat_prompt
 
         return build_chat_prompt(self.target, messages)
 
@@ -145,7 +147,7 @@ def has_confidence_head(draft: Optional[str]) -> bool:
     return bool(info.has_markov and info.has_confidence_head)
 
 
-def open_configs(target: str, draft: Optional[str], configs: Sequence[str], *, n_max: int = 7,
+def open_configs(target: str, draft, configs: Sequence[str], *, n_max: int = 7,
                  conf_min: float = 0.5, p_survival_min: float = 0.3, **settings):
     """One runner per configuration ({name: Speculator or ScheduledRunner}); n_max clamped to what
     each draft makes."""

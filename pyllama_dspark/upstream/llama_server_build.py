@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from pyllama_dspark.tools.llama_server_linked import FEATURES, configure_command, installed_lib_dir
-from pyllama_dspark.tools.llama_server_sdist import (LlamaServerBuildError, PathLike, extract_llama_cpp,
+from pyllama_dspark.upstream.llama_server_linked import FEATURES, configure_command, installed_lib_dir
+from pyllama_dspark.upstream.llama_server_sdist import (LlamaServerBuildError, PathLike, extract_llama_cpp,
                                                      llama_cpp_python_version, llama_server_cache_dir, locate_sdist,
                                                      log_progress)
 

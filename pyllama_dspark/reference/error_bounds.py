@@ -10,8 +10,8 @@ import numpy as np
 
 from gguf import GGMLQuantizationType as QT
 
-from pyllama_dspark.tools.reference.ggml_rounding import vec_dot_type
-from pyllama_dspark.tools.reference.gguf_tensors import Tensor, tensor_scalar
+from pyllama_dspark.reference.ggml_rounding import vec_dot_type
+from pyllama_dspark.reference.gguf_tensors import Tensor, tensor_scalar
 
 __all__ = ["ErrorBounds", "mm_error_bound"]
 
@@ -57,7 +57,7 @@ def mm_error_bound(w: Tensor, x: np.ndarray, emulated: bool, chunk: int = 8192) 
 
 
 class ErrorBounds:
-    """Mixin of :class:`~pyllama_dspark.tools.reference.model.DraftReference`; reads ``cfg``,
+    """Mixin of :class:`~pyllama_dspark.reference.model.DraftReference`; reads ``cfg``,
     ``emulate``, the lm_head and head weights, and calls its ``_mm``, ``base_logits`` and
     ``markov_bias``."""
 

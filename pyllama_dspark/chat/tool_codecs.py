@@ -1,18 +1,18 @@
 """Tool-call formats whose calls are not one JSON object each, behind one interface.
 
-Most formats (:mod:`.tool_formats`: Hermes / Qwen, Llama 3.x, Mistral, generic) write each call as a
+Most formats (:mod:`.formats`: Hermes / Qwen, Llama 3.x, Mistral, generic) write each call as a
 JSON object ``{"name": ..., "arguments": {...}}`` between fixed markers, and :mod:`.tool_grammar` /
-:mod:`.tool_parse` build and read them all.  A format whose calls look otherwise (Gemma 4's
+:mod:`.parse` build and read them all.  A format whose calls look otherwise (Gemma 4's
 ``call:name{key:<|"|>value<|"|>}``, GPT-OSS's harmony channels with the name in the header) names a
 *codec* (``ToolFormat.codec``): a module with
 
 * ``grammar(fmt, tools, choice, parallel, think) -> Optional[ToolGrammar]``: as
   :func:`.tool_grammar.tool_grammar`;
 * ``parse(text, fmt, names=None, *, partial=False, lstrip=True, calls=True) -> Reply``: as
-  :func:`.tool_parse.parse_reply` (``calls`` False: a ``tool_choice: "none"`` reply, reasoning and
+  :func:`.parse.parse_reply` (``calls`` False: a ``tool_choice: "none"`` reply, reasoning and
   content only);
 * ``adjust_messages(messages) -> messages`` (optional): the conversation as the format's template
-  wants it, after :mod:`.tool_chat`'s normalisation (GPT-OSS: ``reasoning_content`` -> ``thinking``).
+  wants it, after :mod:`.tool_prompt`'s normalisation (GPT-OSS: ``reasoning_content`` -> ``thinking``).
 
 One implementation per format behind one interface, as llama.cpp's ``common/parsers/*.cpp``.
 """
@@ -23,16 +23,16 @@ import functools
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from pyllama_dspark.speculative import tool_gemma4
-from pyllama_dspark.speculative import tool_harmony
-from pyllama_dspark.speculative.tool_formats import ToolFormat
-from pyllama_dspark.speculative.tool_grammar import ToolGrammar, tool_grammar
-from pyllama_dspark.speculative.tool_parse import Reply, parse_reply
+from pyllama_dspark.chat import gemma4
+from pyllama_dspark.chat import harmony
+from pyllama_dspark.chat.formats import ToolFormat
+from pyllama_dspark.chat.tool_grammar import ToolGrammar, tool_grammar
+from pyllama_dspark.chat.parse import Reply, parse_reply
 
 __all__ = ["CODECS", "grammar", "parser", "adjust_messages", "adjust_prompt"]
 
-CODECS: Dict[str, Any] = {"gemma4": tool_gemma4, "gemma4_legacy": tool_gemma4.LEGACY}
-CODECS["harmony"] = tool_harmony        # GPT-OSS
+CODECS: Dict[str, Any] = {"gemma4": gemma4, "gemma4_legacy": gemma4.LEGACY}
+CODECS["harmony"] = harmony        # GPT-OSS
 
 
 def _codec(fmt: Optional[ToolFormat]) -> Optional[ModuleType]:
@@ -49,7 +49,7 @@ def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
 
 
 def parser(fmt: Optional[ToolFormat], calls: bool = True) -> Callable[..., Reply]:
-    """The reply parser of ``fmt`` (:func:`.tool_parse.parse_reply`'s contract); ``calls`` False:
+    """The reply parser of ``fmt`` (:func:`.parse.parse_reply`'s contract); ``calls`` False:
     the parser of a ``tool_choice: "none"`` reply (reasoning and content, no calls), as llama.cpp
     builds its parser without the tools there."""
     c = _codec(fmt)

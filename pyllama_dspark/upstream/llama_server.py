@@ -25,8 +25,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from pyllama_dspark.llama.amx import cpu_has_amx
 from pyllama_dspark.errors import DSparkError
-from pyllama_dspark.tools.llama_server_log import parse_draft_acceptance, parse_spec_steps
-from pyllama_dspark.tools.llama_server_sdist import PathLike
+from pyllama_dspark.upstream.llama_server_log import parse_draft_acceptance, parse_spec_steps
+from pyllama_dspark.upstream.llama_server_sdist import PathLike
 
 
 class LlamaServerError(DSparkError, RuntimeError):

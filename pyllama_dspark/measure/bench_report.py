@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 from tabulate import tabulate
 
-from pyllama_dspark.tools.bench import RequestResult
+from pyllama_dspark.measure.bench import RequestResult
 
 CATEGORY_ORDER = ("math", "code", "chat")
 

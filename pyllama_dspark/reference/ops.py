@@ -10,15 +10,15 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
-from pyllama_dspark.tools.reference.ggml_rounding import (
+from pyllama_dspark.reference.ggml_rounding import (
     round_activations, round_bf16, round_f16, vec_dot_type)
-from pyllama_dspark.tools.reference.gguf_tensors import Tensor
+from pyllama_dspark.reference.gguf_tensors import Tensor
 
 __all__ = ["GraphOps"]
 
 
 class GraphOps:
-    """Mixin of :class:`~pyllama_dspark.tools.reference.model.DraftReference`; reads ``cfg``,
+    """Mixin of :class:`~pyllama_dspark.reference.model.DraftReference`; reads ``cfg``,
     ``emulate``, ``kv_type`` and ``rope_freqs``."""
 
     def _mm(self, w: Tensor, x: np.ndarray, scale: Optional[float] = None,

@@ -8,13 +8,13 @@ from typing import Optional
 
 import numpy as np
 
-from pyllama_dspark.tools.reference.ggml_rounding import round_f16
+from pyllama_dspark.reference.ggml_rounding import round_f16
 
 __all__ = ["Attention", "fa_f16_accumulate"]
 
 
 class Attention:
-    """Mixin of :class:`~pyllama_dspark.tools.reference.model.DraftReference`; reads ``cfg``,
+    """Mixin of :class:`~pyllama_dspark.reference.model.DraftReference`; reads ``cfg``,
     ``emulate``, ``flash_attn`` and ``kv_type``."""
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kpos: np.ndarray,

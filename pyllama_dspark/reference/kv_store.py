@@ -13,7 +13,7 @@ __all__ = ["KVStore"]
 
 
 class KVStore:
-    """Mixin of :class:`~pyllama_dspark.tools.reference.model.DraftReference`: ``_cells`` maps a
+    """Mixin of :class:`~pyllama_dspark.reference.model.DraftReference`: ``_cells`` maps a
     position to (per-layer K [n_head_kv, head_dim] list, V list).  Reads ``cfg``, the encoder and
     layer weights, and calls ``_mm``, ``_rms`` and ``_rope``."""
 

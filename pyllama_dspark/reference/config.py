@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from pyllama_dspark.tools.reference.gguf_tensors import GGUFFile
+from pyllama_dspark.reference.gguf_tensors import GGUFFile
 
 __all__ = ["DraftConfig", "read_hparams"]
 

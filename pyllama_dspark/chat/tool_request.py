@@ -13,11 +13,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from pyllama_dspark.speculative import tool_codecs
-from pyllama_dspark.speculative.tool_chat import ToolChat
-from pyllama_dspark.speculative.tool_formats import ToolFormat, UnsupportedToolFormat
-from pyllama_dspark.speculative.tool_grammar import ToolGrammar, ToolSchemaError
-from pyllama_dspark.speculative.tool_parse import ReplyDiffer
+from pyllama_dspark.chat import tool_codecs
+from pyllama_dspark.chat.tool_prompt import ToolChat
+from pyllama_dspark.chat.formats import ToolFormat, UnsupportedToolFormat
+from pyllama_dspark.chat.tool_grammar import ToolGrammar, ToolSchemaError
+from pyllama_dspark.chat.parse import ReplyDiffer
 
 __all__ = ["ToolPlan", "check_tools", "check_tool_choice", "check_tool_messages", "plan_tools",
            "UnsupportedToolFormat", "ToolSchemaError"]
@@ -155,7 +155,7 @@ class ToolPlan:
 
     @property
     def lstrip(self) -> bool:
-        """Whether the reply's leading whitespace is skipped when parsed (:func:`~.tool_parse.parse_reply`)."""
+        """Whether the reply's leading whitespace is skipped when parsed (:func:`~.parse.parse_reply`)."""
         return not self.think_closed
 
     @property
@@ -166,7 +166,7 @@ class ToolPlan:
 
     def compile(self, target):
         """What the decoder takes as its grammar: GBNF text (strict), a
-        :class:`~.grammar_lazy.LazyGrammar` (auto; the caller owns it) or None.  A trigger word that is
+        :class:`~pyllama_dspark.llama.grammar_lazy.LazyGrammar` (auto; the caller owns it) or None.  A trigger word that is
         one token of the vocabulary triggers on that token only, as llama-server makes it a token
         trigger."""
         g = self.grammar
@@ -174,7 +174,7 @@ class ToolPlan:
             return None
         if not g.lazy:
             return g.gbnf
-        from pyllama_dspark.speculative.grammar_lazy import LazyGrammar
+        from pyllama_dspark.llama.grammar_lazy import LazyGrammar
 
         words, tokens = [], []
         for w in g.words:

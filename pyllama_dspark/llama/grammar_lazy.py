@@ -30,7 +30,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from pyllama_dspark.errors import ClosedError
-from pyllama_dspark.speculative.grammar import Grammar, GrammarError
+from pyllama_dspark.llama.grammar import Grammar, GrammarError
 
 __all__ = ["LazyGrammar"]
 

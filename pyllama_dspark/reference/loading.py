@@ -1,7 +1,7 @@
 """Loading the draft's weights (and, where the draft lacks them, the target's token embedding and
 lm_head, mirroring llama.cpp's ``ctx_other``) into a
-:class:`~pyllama_dspark.tools.reference.model.DraftReference`, and building its
-:class:`~pyllama_dspark.tools.reference.config.DraftConfig`."""
+:class:`~pyllama_dspark.reference.model.DraftReference`, and building its
+:class:`~pyllama_dspark.reference.config.DraftConfig`."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from pyllama_dspark.tools.reference.config import DraftConfig, read_hparams
-from pyllama_dspark.tools.reference.gguf_tensors import tensor_scalar
+from pyllama_dspark.reference.config import DraftConfig, read_hparams
+from pyllama_dspark.reference.gguf_tensors import tensor_scalar
 
 __all__ = ["WeightLoading"]
 
 
 class WeightLoading:
-    """Mixin of :class:`~pyllama_dspark.tools.reference.model.DraftReference`: ``_load`` reads
+    """Mixin of :class:`~pyllama_dspark.reference.model.DraftReference`: ``_load`` reads
     ``self.draft`` (and ``self.target``, a GGUFFile or None) into ``cfg``, ``tok_embd``, ``head`` /
     ``head_s``, ``d2t``, ``fc`` / ``fc_s``, ``enc_norm``, ``out_norm``, ``rope_freqs``, ``layers``
     (one dict of tensors per layer), ``w1``, ``w2`` / ``w2_s``, ``conf_w`` / ``conf_b``."""

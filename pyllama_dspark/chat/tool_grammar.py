@@ -1,4 +1,4 @@
-"""GBNF for a request's tool calls, in the format of its chat template (:mod:`.tool_formats`).
+"""GBNF for a request's tool calls, in the format of its chat template (:mod:`.formats`).
 
 Each call is one JSON object, ``{"name": <const>, "<args_key>": <the tool's parameters schema>}``
 (plus an optional ``"id"`` for Mistral), converted by llama-cpp-python's JSON-schema converter
@@ -15,7 +15,7 @@ JSON token, llama-server's newlines and indentation before them.
   first).  llama-server's grammar here also admits any text before the first call, so a model that
   does not start a call itself writes plain text until ``max_tokens``; ours cannot;
 * a named function (``{"type": "function", "function": {"name": ...}}``): one call of that tool;
-* ``"auto"``: the same calls under a lazy grammar (:class:`~.grammar_lazy.LazyGrammar`) that starts
+* ``"auto"``: the same calls under a lazy grammar (:class:`~pyllama_dspark.llama.grammar_lazy.LazyGrammar`) that starts
   at the format's trigger (``<tool_call>\\n``, ``[TOOL_CALLS]``, a reply that starts ``{"name"``);
 * ``"none"``: no grammar.
 """
@@ -28,7 +28,7 @@ from typing import Any, List, Optional, Sequence
 
 from llama_cpp.llama_grammar import SchemaConverter
 
-from pyllama_dspark.speculative.tool_formats import ToolFormat
+from pyllama_dspark.chat.formats import ToolFormat
 
 __all__ = ["ToolGrammar", "ToolSchemaError", "tool_grammar", "until_rules"]
 

@@ -13,12 +13,12 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from pyllama_dspark.tools.reference.attention import Attention
-from pyllama_dspark.tools.reference.error_bounds import ErrorBounds
-from pyllama_dspark.tools.reference.gguf_tensors import GGUFFile, open_target, tensor_scalar
-from pyllama_dspark.tools.reference.kv_store import KVStore
-from pyllama_dspark.tools.reference.loading import WeightLoading
-from pyllama_dspark.tools.reference.ops import GraphOps
+from pyllama_dspark.reference.attention import Attention
+from pyllama_dspark.reference.error_bounds import ErrorBounds
+from pyllama_dspark.reference.gguf_tensors import GGUFFile, open_target, tensor_scalar
+from pyllama_dspark.reference.kv_store import KVStore
+from pyllama_dspark.reference.loading import WeightLoading
+from pyllama_dspark.reference.ops import GraphOps
 
 __all__ = ["DraftReference", "RefBlock"]
 

@@ -20,7 +20,7 @@ Formats built here (:data:`FORMATS`):
 * ``generic``: a template with no tool syntax of its own (SmolLM2): the tools are described in a
   system message we add and the reply is asked for in the ``hermes`` form;
 * ``harmony``: GPT-OSS's channels, ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``
-  (:mod:`.tool_harmony`), one call per reply, the analysis channel as reasoning.
+  (:mod:`.harmony`), one call per reply, the analysis channel as reasoning.
 
 Every other template that renders tools is refused with :class:`UnsupportedToolFormat`, whose
 message names the format (never a silent fallback to plain text).
@@ -76,7 +76,7 @@ _MISTRAL = ToolFormat("mistral", "Mistral [TOOL_CALLS] JSON array", "", "", ", "
 _GENERIC = ToolFormat("generic", "generic (tools described in a system message, <tool_call> JSON replies)",
                       "<tool_call>\n", "\n</tool_call>", "\n", "arguments", trigger="<tool_call>",
                       system_tools=True)
-# Gemma 4: call:name{key:<|"|>value<|"|>} (:mod:`.tool_gemma4`); a template without llama.cpp's
+# Gemma 4: call:name{key:<|"|>value<|"|>} (:mod:`.gemma4`); a template without llama.cpp's
 # "OpenAI Chat Completions" branch wants tool results folded into the assistant turn (gemma4_legacy)
 _GEMMA4 = ToolFormat("gemma4", "Gemma 4 <|tool_call>call:name{...}", "<|tool_call>", "<tool_call|>", "", "arguments",
                      trigger="<|tool_call>", think=("<|channel>thought", "<channel|>"), codec="gemma4",
@@ -86,7 +86,7 @@ SUPPORTED = "Hermes / Qwen <tool_call> JSON (Qwen 2.5, QwQ, Qwen3, Hermes 2 Pro 
             "Mistral [TOOL_CALLS] JSON (Nemo, 7B v0.3), Gemma 4, GPT-OSS (harmony), and templates with no tool syntax (generic form)"
 
 # GPT-OSS: harmony channels, the call's name in a header and its arguments after <|message|>
-# (:mod:`.tool_harmony`); the analysis channel is reasoning
+# (:mod:`.harmony`); the analysis channel is reasoning
 _HARMONY = ToolFormat("harmony", "GPT-OSS harmony channels", "", "", "", "arguments",
                       think=("<|channel|>analysis<|message|>", "<|end|>"), codec="harmony",
                       markers=("<|channel|>", "<|constrain|>", "<|message|>", "<|start|>", "<|end|>"))

@@ -1,5 +1,5 @@
 """ggml-cpu's deterministic roundings, for
-:class:`~pyllama_dspark.tools.reference.model.DraftReference` with ``emulate_ggml=True``: the type
+:class:`~pyllama_dspark.reference.model.DraftReference` with ``emulate_ggml=True``: the type
 activations are converted to before a mat-mul (:func:`vec_dot_type`), that conversion
 (:func:`round_activations`) and the F16 / BF16 roundings of the KV cache and the flash-attention
 accumulator (:func:`round_f16`, :func:`round_bf16`).

@@ -13,7 +13,7 @@ the normalisation llama.cpp's ``common_chat_templates_apply_jinja`` applies (``c
 * extra template variables ``date_string`` / ``datetime`` (llama.cpp's extra context) and the
   request's ``chat_template_kwargs``.
 
-A template with no tool syntax (:mod:`.tool_formats` ``generic``) instead gets the tools described in
+A template with no tool syntax (:mod:`.formats` ``generic``) instead gets the tools described in
 a system message, earlier calls written into the assistant text and tool results as user messages,
 all in the ``<tool_call>`` form the reply is constrained to.
 """
@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from llama_cpp import llama_chat_format as lcf
 from llama_cpp import llama_cpp as ll
 
-from pyllama_dspark.speculative.tool_formats import (TemplateCaps, ToolFormat, UnsupportedToolFormat, detect_format,
+from pyllama_dspark.chat.formats import (TemplateCaps, ToolFormat, UnsupportedToolFormat, detect_format,
                                                      probe_caps)
 
 __all__ = ["ToolChat", "normalize_tools", "GENERIC_SYSTEM", "tool_chat_for"]
@@ -187,7 +187,7 @@ def tool_chat_for(target) -> ToolChat:
         tc = _CACHE.get(target)
     if tc is not None:
         return tc
-    from pyllama_dspark.llama.chat import chat_formatter, model_metadata
+    from pyllama_dspark.chat.prompt import chat_formatter, model_metadata
 
     template = model_metadata(target).get("tokenizer.chat_template")
     vocab = target.vocab

@@ -17,7 +17,7 @@ arrays ``[a,b]`` and nested dicts ``{k:v}``.  Reading a reply follows llama.cpp'
 The grammar (:func:`grammar`) is built from each tool's parameters schema (llama-server's admits any
 dict there; docs/serve.md "Tools"): keys in the order Gemma's template renders them (sorted),
 optional ones may be left out, whitespace where llama-server's grammar allows it.  The conversation:
-:mod:`.tool_gemma4_chat`.
+:mod:`.gemma4_chat`.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import re
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from pyllama_dspark.speculative.tool_formats import ToolFormat
-from pyllama_dspark.speculative.tool_gemma4_chat import adjust_messages, adjust_prompt, legacy_messages
-from pyllama_dspark.speculative.tool_grammar import ToolGrammar, ToolSchemaError, until_rules
-from pyllama_dspark.speculative.tool_parse import Reply, ToolCall, _held_back
+from pyllama_dspark.chat.formats import ToolFormat
+from pyllama_dspark.chat.gemma4_chat import adjust_messages, adjust_prompt, legacy_messages
+from pyllama_dspark.chat.tool_grammar import ToolGrammar, ToolSchemaError, until_rules
+from pyllama_dspark.chat.parse import Reply, ToolCall, _held_back
 
 __all__ = ["grammar", "parse", "adjust_messages", "adjust_prompt", "LEGACY", "CALL_OPEN", "CALL_CLOSE", "QUOTE"]
 
@@ -403,7 +403,7 @@ def _calls(s: str, i: int, names: Optional[List[str]], partial: bool) -> List[To
 
 def parse(text: str, fmt: ToolFormat, names=None, *, partial: bool = False, lstrip: bool = True,
           calls: bool = True) -> Reply:
-    """:func:`.tool_parse.parse_reply`'s contract (module doc); ``lstrip`` is not used: llama-server's
+    """:func:`.parse.parse_reply`'s contract (module doc); ``lstrip`` is not used: llama-server's
     Gemma 4 parser keeps a reply's leading whitespace.  ``calls`` False (``tool_choice: "none"``):
     content runs on over ``<|tool_call>`` (llama-server's parser without tools), no calls."""
     s = text

@@ -1,4 +1,4 @@
-"""Gemma 4's conversation as llama.cpp renders it (for :mod:`.tool_gemma4`, the codec).
+"""Gemma 4's conversation as llama.cpp renders it (for :mod:`.gemma4`, the codec).
 
 * :func:`adjust_prompt`: llama.cpp opens the model's turn when the template left the prompt after a
   closed turn (``common_chat_params_init_gemma4``);

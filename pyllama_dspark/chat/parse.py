@@ -5,7 +5,7 @@ template's format (``common/chat-peg-parser.cpp``): the text before the first ca
 leading ``<think>`` block is ``reasoning_content`` (whitespace-only reasoning dropped), each call's
 arguments are the raw JSON text the model wrote (trailing whitespace trimmed), and streaming sends the
 difference between successive parses of the text so far (``common_chat_msg_diff::compute_diffs``).
-:func:`parse_reply` does the same for the formats of :mod:`.tool_formats`; :class:`ReplyDiffer`
+:func:`parse_reply` does the same for the formats of :mod:`.formats`; :class:`ReplyDiffer`
 turns successive partial parses into OpenAI ``delta`` objects.
 
 Where llama-server answers a reply that does not parse with an HTTP 500 ("The model produced output
@@ -23,7 +23,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from pyllama_dspark.speculative.tool_formats import ToolFormat
+from pyllama_dspark.chat.formats import ToolFormat
 
 __all__ = ["ToolCall", "Reply", "parse_reply", "ReplyDiffer", "ReplyText", "new_call_id", "message_json",
            "whole_if_empty"]

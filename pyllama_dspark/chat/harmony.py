@@ -34,9 +34,9 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
-from pyllama_dspark.speculative.tool_formats import ToolFormat
-from pyllama_dspark.speculative.tool_grammar import ToolGrammar, ToolSchemaError, until_rules
-from pyllama_dspark.speculative.tool_parse import Reply, ToolCall, whole_if_empty
+from pyllama_dspark.chat.formats import ToolFormat
+from pyllama_dspark.chat.tool_grammar import ToolGrammar, ToolSchemaError, until_rules
+from pyllama_dspark.chat.parse import Reply, ToolCall, whole_if_empty
 
 __all__ = ["grammar", "parse", "adjust_messages", "TRIGGERS", "GEN_PROMPT"]
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Optional
 
 from pyllama_dspark.errors import DSparkError
-from pyllama_dspark.tools.llama_server_build import (_check_toolchain, _extracted, _file_lock, _run_logged,
+from pyllama_dspark.upstream.llama_server_build import (_check_toolchain, _extracted, _file_lock, _run_logged,
                                                      ensure_llama_server)
-from pyllama_dspark.tools.llama_server_linked import FEATURES, installed_lib_dir
-from pyllama_dspark.tools.llama_server_sdist import (LlamaServerBuildError, PathLike, llama_cpp_python_version,
+from pyllama_dspark.upstream.llama_server_linked import FEATURES, installed_lib_dir
+from pyllama_dspark.upstream.llama_server_sdist import (LlamaServerBuildError, PathLike, llama_cpp_python_version,
                                                      llama_server_cache_dir, log_progress)
 
 MODULE = "libggml-rpc.so"
@@ -95,7 +95,7 @@ def _build_linked(root: Path, src: Path, lib: Path, jobs: int) -> Path:
 def _build_static_server(root: Path, src: Path, jobs: int) -> Path:
     """The whole tree, static, GGML_RPC=ON: ggml-rpc-server only (no loadable module)."""
     cmake, ninja = _check_toolchain()
-    from pyllama_dspark.tools.llama_server_build import cmake_configure_args
+    from pyllama_dspark.upstream.llama_server_build import cmake_configure_args
 
     build = root / "build"  # llama-server's static tree (its arguments have GGML_RPC=ON)
     cfg = [cmake, "-S", str(src), "-B", str(build)] + cmake_configure_args()
