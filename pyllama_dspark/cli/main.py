@@ -194,8 +194,8 @@ from pyllama_dspark.gguf.target_sizes import (ALL_SIZES as _ALL_SIZES, TARGET_TY
               help="Scale the output weights by X (logits std ~X: model-like peaked distributions; with a tied "
                    "--size, the shared embedding / output matrix).")
 @click.option("--layers", "n_layer", type=int, default=None,
-              help="Target layers (default 4; 6 for gemma4; with --size the real depth, this overrides it and "
-                   "keeps the real widths).")
+              help="Target layers (default 4; 6 for gemma4 and the hybrids lfm2 / qwen35 / qwen35moe / qwen3next / "
+                   "nemotron_h; with --size the real depth, this overrides it and keeps the real widths).")
 @click.option("--vocab-type", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default=None,
               help="Encoding of the embedding / output matrices of the small default target, the rest being F32 "
                    "(default f16; not with --type or --size).")

@@ -143,6 +143,13 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
             "draft": os.path.basename(str(draft)) if draft else None,
             "draft_kind": sp.proposer.name if draft else None, "n_max": sp.n_max if draft else 0,
             "n_slots": pool.n_slots, "cont_batching": bool(n_slots > 1 and cont_batching)}
+    if sp.target.recurrent:   # a hybrid target: what its recurrent state and snapshots cost (llama/recurrent.py)
+        from pyllama_dspark.llama.recurrent import footprint
+
+        meta["recurrent_state"] = dict(footprint(sp.target), slots=pool.n_slots)
+        rs = meta["recurrent_state"]
+        log.info("main: hybrid target: recurrent state %.2f MiB per slot, %d snapshots per slot (n_rs_seq) %.2f MiB, "
+                 "x %d slots", rs["state_bytes"] / 2**20, rs["n_rs_seq"], rs["snapshot_bytes"] / 2**20, pool.n_slots)
     config = ServerConfig(model_id=alias or os.path.basename(target), api_key=api_key,
                           sampling_defaults=defaults, model_meta=meta, metrics=bool(metrics), model_path=target)
     app = create_app(pool, config)

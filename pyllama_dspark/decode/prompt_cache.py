@@ -26,6 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pyllama_dspark.llama.recurrent import try_seq_rm
+
 #: llama-server's --slot-prompt-similarity default
 SLOT_PROMPT_SIMILARITY = 0.1
 
@@ -109,7 +111,8 @@ class PromptCache:
             start = min(start, prompt.size - 1)
             if not target.can_resume_at(seq, start):
                 return 0, None   # an SWA cache no longer holds the window before start: decode it all
-        target.seq_rm(seq, start, -1)
+        if not try_seq_rm(target, seq, start):
+            return 0, None   # a recurrent state cannot be cut back that far (llama/recurrent.py): decode it all
         if prop is not None:
             prop.rollback(start, seq)
         return start, row

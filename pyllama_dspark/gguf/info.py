@@ -43,7 +43,7 @@ import numpy as np
 
 from pyllama_dspark.errors import DraftMismatchError, UnsupportedArchError
 from pyllama_dspark.gguf.hparams import check_hparams, check_tensor_types
-from pyllama_dspark.gguf.layer_inputs import unsupported_arch_message
+from pyllama_dspark.gguf.layer_inputs import DRAFTING_HYBRID_ARCHS, unsupported_arch_message, unsupported_hybrid_message
 from pyllama_dspark.gguf.reader import (cached_info, check_path, field_value, ggml_ne, n_tokens, read_gguf,
                                         scalar_field, tensor_map, tokenizer_fingerprint)
 from pyllama_dspark.gguf.target_info import TargetInfo
@@ -411,6 +411,8 @@ def validate_pair(draft_info: DraftInfo, target_info: TargetInfo) -> List[str]:
 
     if not t.supports_layer_inputs:
         raise UnsupportedArchError(unsupported_arch_message(t.arch, tn))
+    if t.hybrid and t.arch not in DRAFTING_HYBRID_ARCHS:
+        raise UnsupportedArchError(unsupported_hybrid_message(t.arch, tn))
 
     if d.n_embd != t.n_embd:
         raise DraftMismatchError(

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-__all__ = ["LAYER_INPUT_ARCHS", "FINAL_LAYER_INPUT_ARCHS", "unsupported_arch_message"]
+__all__ = ["LAYER_INPUT_ARCHS", "FINAL_LAYER_INPUT_ARCHS", "HYBRID_ARCHS", "DRAFTING_HYBRID_ARCHS",
+           "unsupported_arch_message", "unsupported_hybrid_message"]
 
 #: Target architectures whose llama.cpp graph fills ``t_layer_inp[0..n_layer-1]`` with
 #: ``n_embd``-wide rows (see the module docstring for how this was determined):
@@ -68,3 +69,23 @@ def unsupported_arch_message(arch: str, name: str) -> str:
     return (f"{name}: target architecture {arch!r} cannot expose layer inputs to a DFlash/DSpark draft "
             f"(its llama.cpp graph does not fill them; enabling capture would abort). Supported: "
             f"{', '.join(sorted(LAYER_INPUT_ARCHS))}")
+
+
+#: Architectures among :data:`LAYER_INPUT_ARCHS` whose memory also holds a recurrent state (Gated
+#: DeltaNet, Mamba-2, short convolutions, lightning attention, DeepSeek-V4's compressed state): a
+#: rejected draft tail is undone by llama.cpp's recurrent-state snapshots (``n_rs_seq``), which
+#: ``llm_arch_supports_rs_rollback`` (src/llama-arch.cpp) grants to all of them but qwen3next and
+#: minimax-01.
+HYBRID_ARCHS: frozenset = frozenset({"qwen3next", "qwen35", "qwen35moe", "deepseek4", "nemotron_h",
+                                     "nemotron_h_moe", "lfm2", "lfm2moe", "minimax-01", "bailingmoe3"})
+
+#: The hybrids DSpark drafts on: snapshot rollback, tested losslessly on random targets of the
+#: arch (docs/targets.md).  The other hybrids run without a draft.
+DRAFTING_HYBRID_ARCHS: frozenset = frozenset({"qwen35", "qwen35moe", "nemotron_h", "lfm2"})
+
+
+def unsupported_hybrid_message(arch: str, name: str) -> str:
+    """Why a hybrid target of ``arch`` (file ``name``) runs without a draft."""
+    return (f"{name}: target architecture {arch!r} keeps a recurrent state that pyllama-dspark cannot yet roll "
+            f"back after a rejected draft, so it runs without a draft only (--no-draft). Hybrids that draft: "
+            f"{', '.join(sorted(DRAFTING_HYBRID_ARCHS))} (docs/targets.md)")

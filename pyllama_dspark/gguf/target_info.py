@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pyllama_dspark.errors import ModelFileError, UnsupportedArchError
-from pyllama_dspark.gguf.layer_inputs import FINAL_LAYER_INPUT_ARCHS, LAYER_INPUT_ARCHS, unsupported_arch_message
+from pyllama_dspark.gguf.layer_inputs import (FINAL_LAYER_INPUT_ARCHS, HYBRID_ARCHS, LAYER_INPUT_ARCHS,
+                                             unsupported_arch_message)
 from pyllama_dspark.gguf.hparams import check_hparams, check_tensor_types
 from pyllama_dspark.gguf.reader import (cached_info, check_path, field_value, n_tokens, read_gguf, scalar_field,
                                         tokenizer_fingerprint)
@@ -40,6 +41,11 @@ class TargetInfo:
     accepts_final_layer_id: bool    # id == n_layer is filled (deepseek4, mimo2, nemotron-h)
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the memory holds a recurrent state beside the attention cache (layer_inputs.HYBRID_ARCHS)."""
+        return self.arch in HYBRID_ARCHS
 
     @property
     def max_layer_id(self) -> int:

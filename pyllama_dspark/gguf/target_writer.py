@@ -19,6 +19,8 @@ architecture (``src/models/<arch>.cpp``, ``load_arch_hparams`` / ``load_arch_ten
 * ``qwen3moe`` / ``gpt-oss``: experts (``ffn_{gate,up,down}_exps``), router (``ffn_gate_inp``),
   ``expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length``; ``gpt-oss`` also its
   biases, attention sinks and alternating sliding-window layers.
+* the hybrids ``lfm2`` / ``qwen35`` / ``qwen35moe`` / ``qwen3next`` / ``nemotron_h`` (attention beside a
+  recurrent state): their layers are planned by :mod:`pyllama_dspark.gguf.target_hybrid`.
 
 Deterministic routing.  Random routers put experts within rounding of each other, and the
 rounding of a matmul depends on the batch shape, so the same token could go to other experts in a
@@ -59,6 +61,7 @@ from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from pyllama_dspark.gguf.target_archs import ARCH_SPECS, TARGET_ARCHS
+from pyllama_dspark.gguf.target_hybrid import add_hybrid
 from pyllama_dspark.gguf.target_sizes import RandomPool, SizeSpec, get_size, is_full_layer, uniform_chunks
 from pyllama_dspark.gguf.target_tokenizer import MIN_N_VOCAB, tokenizer_meta
 from pyllama_dspark.gguf.write import TENSOR_ENCODINGS, atomic_output, encode, gauss
@@ -408,6 +411,11 @@ def plan_test_target(
         put("rope_freqs.weight", (hd_full // 2,),
             lambda: np.array([1.0] * n_rot_full + [1e30] * (hd_full // 2 - n_rot_full), dtype=f32))
 
+    if spec.hybrid:   # lfm2, qwen35, ...: recurrent + attention layers, planned by gguf/target_hybrid.py
+        add_hybrid(arch, kv, plan, put, weight, no_write, rng, res, wenc, n_vocab=n_vocab, n_layer=n_layer,
+                   n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, n_expert=n_expert,
+                   n_ff_exp=n_ff_exp, router_gain=float(router_gain))
+        return a, meta, plan
     gain = f32(router_gain)
     # tied gemma4: the input embedding (x sqrt(n_embd) in the graph) is the token's own output row, so
     # the residual must outweigh it or every token predicts itself (logit ~ sqrt(n_embd) peaked^2):

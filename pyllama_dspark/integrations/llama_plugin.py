@@ -45,6 +45,7 @@ once positions pass n_batch).  ``detach()`` / ``close()`` restore the Llama's me
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from typing import Any, List, Optional
@@ -55,7 +56,7 @@ from llama_cpp.llama_speculative import LlamaDraftModel
 
 from pyllama_dspark.llama.amx import check_model
 from pyllama_dspark.speculative.drafter import DraftModelProposer, check_n_max, clamp_n_max
-from pyllama_dspark.errors import ClosedError
+from pyllama_dspark.errors import ClosedError, UnsupportedArchError
 from pyllama_dspark.gguf.info import read_draft_info, validate_pair
 from pyllama_dspark.gguf.target_info import read_target_info
 from pyllama_dspark.llama.borrowed import BorrowedTarget
@@ -105,6 +106,12 @@ def borrow_target(llm, draft_path: str):
     dinfo = read_draft_info(draft_path)
     tinfo = read_target_info(llm.model_path)
     found = list(validate_pair(dinfo, tinfo) or [])
+    if tinfo.hybrid:
+        raise UnsupportedArchError(
+            f"{os.path.basename(llm.model_path)}: {tinfo.arch} keeps a recurrent state beside its attention cache, "
+            f"and a Llama rolls rejected drafts back with kv_cache_seq_rm(-1, ...), which a recurrent state cannot "
+            f"serve (its context also has no snapshots: n_rs_seq 0). Draft on it with "
+            f"DSpark(target_path, draft_path) instead (docs/targets.md)")
     check_model(llm.model)      # AMX-repacked weights would crash once capture is on
     settings = llama_settings(llm)
     target = BorrowedTarget(ctx.ctx, settings, capture_layers=dinfo.target_layer_ids,

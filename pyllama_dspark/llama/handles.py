@@ -22,7 +22,7 @@ import llama_cpp
 from llama_cpp import llama_cpp as ll
 
 from pyllama_dspark.llama import _native as nat
-from pyllama_dspark.llama import rpc
+from pyllama_dspark.llama import recurrent, rpc
 from pyllama_dspark.llama.backend import check_gguf_file, ensure_backend
 from pyllama_dspark.llama.backend_sampling import DeviceSamplers
 from pyllama_dspark.llama.offload import resolve_n_gpu_layers
@@ -118,6 +118,8 @@ class _ModelCtx(Owned):
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
         self.n_batch = int(ll.llama_n_batch(self.ctx))
         self.memory = ll.llama_get_memory(self.ctx)
+        # a recurrent state (hybrid models) rolls back by snapshots, up to n_rs_seq positions (llama/recurrent.py)
+        self.recurrent, self.n_rs_seq = recurrent.is_recurrent(self.model), int(ll.llama_n_rs_seq(self.ctx))
 
     def _free_model_ctx(self) -> None:
         if getattr(self, "samplers", None) is not None:

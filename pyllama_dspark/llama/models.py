@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Tuple
 
 from pyllama_dspark.gguf.info import read_draft_info, validate_pair
 from pyllama_dspark.gguf.target_info import read_target_info
 from pyllama_dspark.llama.handles import ContextSettings, Draft, Target
+from pyllama_dspark.llama.recurrent import snapshots_for
 
 
 def open_models(target_path: str, draft_path: Optional[str],
@@ -21,6 +23,8 @@ def open_models(target_path: str, draft_path: Optional[str],
         warnings = list(validate_pair(dinfo, tinfo) or [])
         capture = dinfo.target_layer_ids
         allow_last = bool(tinfo.accepts_final_layer_id)
+        if tinfo.hybrid:   # a rejected tail of a block rolls back by recurrent-state snapshots
+            settings = dataclasses.replace(settings, n_rs_seq=snapshots_for(dinfo.max_drafts))
     target = Target(target_path, settings, capture_layers=capture, allow_last_layer=allow_last)
     draft = None
     if draft_path is not None:

@@ -55,6 +55,9 @@ class ContextSettings:
     # llama.cpp's -bs / --spec-draft-backend-sampling: greedy rows read out on the device (their
     # top 2, no logits row copied; llama/backend_sampling.py): "auto" (on when offloaded), "on", "off"
     backend_sampling: str = "auto"
+    # llama.cpp's n_rs_seq: recurrent-state snapshots per sequence, how far back a hybrid target's
+    # recurrent state can be cut (0: none; set for the target from the draft's block, llama/recurrent.py)
+    n_rs_seq: int = 0
 
     def validate(self) -> None:
         if self.flash_attn not in _FLASH_ATTN:
@@ -100,7 +103,8 @@ class ContextSettings:
         """These settings with the draft's offload (-ngld, else -ngl as requested) as n_gpu_layers:
         an ``auto`` is resolved for the draft's own file."""
         ngl = self.n_gpu_layers if self.n_gpu_layers_draft is None else self.n_gpu_layers_draft
-        return dataclasses.replace(self, n_gpu_layers=ngl, n_gpu_layers_draft=None, n_gpu_layers_resolved=None)
+        return dataclasses.replace(self, n_gpu_layers=ngl, n_gpu_layers_draft=None, n_gpu_layers_resolved=None,
+                                   n_rs_seq=0)
 
     def context_params(self):
         p = ll.llama_context_default_params()
@@ -115,6 +119,7 @@ class ContextSettings:
         p.swa_full = bool(self.swa_full)
         p.kv_unified = bool(self.kv_unified)
         p.no_perf = True
+        p.n_rs_seq = int(self.n_rs_seq)   # clamped to 0 by llama.cpp for an arch without snapshots
         if self.device_readout:
             # a sequence with a backend sampler may have at most this many output rows a decode
             # (llama.cpp's default is 1): a verify block, a draft block, the cost curve's 32 rows

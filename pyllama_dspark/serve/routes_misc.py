@@ -128,6 +128,7 @@ def props_body(srv: Any) -> Dict[str, Any]:
         "eos_token": _token_text(target, "eos"),
         "build_info": _build_info(),
         "is_sleeping": False,
+        **({"recurrent_state": config.model_meta["recurrent_state"]} if "recurrent_state" in config.model_meta else {}),
     }
 
 

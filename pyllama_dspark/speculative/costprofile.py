@@ -20,6 +20,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
+from pyllama_dspark.llama.recurrent import Checkpoint
 from pyllama_dspark.speculative import profile_check
 from pyllama_dspark.speculative.schedule import CostModel
 
@@ -79,9 +80,11 @@ def _file_id(path: Optional[str]) -> str:
 
 
 def profile_key(target: str, draft: Optional[str], n_ctx: int, n_threads: int, flash_attn: str,
-                n_gpu_layers, b_max: int) -> str:
-    raw = json.dumps([PROFILE_VERSION, _file_id(target), _file_id(draft), n_ctx, n_threads, flash_attn,
-                      n_gpu_layers, b_max])
+                n_gpu_layers, b_max: int, n_rs_seq: int = 0) -> str:
+    fields = [PROFILE_VERSION, _file_id(target), _file_id(draft), n_ctx, n_threads, flash_attn, n_gpu_layers, b_max]
+    if n_rs_seq:   # a hybrid's decodes also write n_rs_seq recurrent-state snapshots: another curve
+        fields.append(["n_rs_seq", int(n_rs_seq)])
+    raw = json.dumps(fields)
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -123,6 +126,8 @@ def _verify_curve(tgt, b_max: int, repeats: int, budget_s: float, seed: int, pro
     tgt.decode(prompt, 0, all_outputs=False)
     if on_prefill is not None:
         on_prefill(prompt)
+    # a recurrent state (hybrid targets) cannot be cut B positions back: restored after each decode
+    ckpt = Checkpoint(tgt, 0) if getattr(tgt, "recurrent", False) else None
     toks = rng.integers(100, min(tgt.n_vocab, 20000), size=b_max).astype(np.int32)
     ids = np.zeros(b_max, dtype=np.int32)
     margin = np.zeros(b_max, dtype=np.float32)
@@ -143,6 +148,8 @@ def _verify_curve(tgt, b_max: int, repeats: int, budget_s: float, seed: int, pro
             tgt.decode(toks[:b], n0, all_outputs=True)
             tgt.argmax(0, int(b), ids, margin)
             times[int(b)].append((time.perf_counter() - t0) * 1e3)
+            if ckpt is not None:
+                ckpt.restore(tgt, 0)
             tgt.seq_rm(0, n0, -1)
             done += 1
             if progress:
@@ -264,7 +271,7 @@ def measure_target(target, *, b_max: int = AUTO_B_MAX, repeats: int = 5, budget_
 def target_key(target) -> str:
     s = target.settings
     return profile_key(target.path, None, s.n_ctx, s.n_threads or 0, s.flash_attn, s.placement(),
-                       min(AUTO_B_MAX, target.n_batch))
+                       min(AUTO_B_MAX, target.n_batch), getattr(target, "n_rs_seq", 0))
 
 
 def _cached(target):

@@ -29,11 +29,13 @@ not be the distribution of a real drafter.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pyllama_dspark.llama.recurrent import undone
 from pyllama_dspark.speculative.drafter import EMPTY, BlockRequest, Proposal, Proposer, propose_all
 
 
@@ -344,14 +346,12 @@ class OracleDraft(Proposer):
         n = min(n, tgt.n_ctx - r.pos0 - 1)
         ids, margin = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.float32)
         out, tok = [], r.anchor
-        try:
+        with undone(tgt, r.seq_id, r.pos0):
             for i in range(n):
                 tgt.decode(np.asarray([tok], dtype=np.int32), r.pos0 + i, r.seq_id)
                 tgt.argmax(0, 1, ids, margin)
                 tok = int(ids[0])
                 out.append(tok)
-        finally:
-            tgt.seq_rm(r.seq_id, r.pos0, -1)
         self.n_reanchored += 1
         o.ref = np.concatenate([o.ref[:r.pos0], np.asarray([r.anchor] + out, dtype=np.int32)])
 
@@ -379,13 +379,12 @@ class OracleDraft(Proposer):
                 pos[at:at + k] = np.arange(r.pos0, r.pos0 + k, dtype=np.int32)
                 seqs[at:at + k] = r.seq_id
                 at += k
-            try:
+            with contextlib.ExitStack() as undo:
+                for r in requests:
+                    undo.enter_context(undone(tgt, r.seq_id, r.pos0))
                 tgt.decode_rows(tok, pos, seqs, outs)
                 self.n_shadow_decodes += 1
                 tgt.argmax(0, rows, ids, margin)
-            finally:
-                for r in requests:
-                    tgt.seq_rm(r.seq_id, r.pos0, -1)
             done, at = True, 0
             for g in guesses:
                 y = ids[at:at + g.size]

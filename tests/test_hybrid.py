@@ -1,0 +1,274 @@
+"""Hybrid targets: attention layers beside a recurrent state (LFM2's short convolutions, Qwen3.5's
+Gated DeltaNet, Nemotron-H's Mamba-2), as random-weight targets (``make-test-target --arch``).
+
+A rejected draft tail is undone by llama.cpp's recurrent-state snapshots (``n_rs_seq`` set to the
+draft's block, :mod:`pyllama_dspark.llama.recurrent`); an undo deeper than the snapshots reach (a
+prompt-cache cut, the cost curve's trial decodes, the oracle's look-ahead) restores a checkpoint or
+decodes the prompt again.  References: llama-cpp-python's ``Llama`` greedy decoding of the same
+file, and llama-server's own DSpark loop (C++ parity, two archs).
+
+Per arch in scope: T = 0 lossless with a random draft (every block rejected: rollbacks of the full
+block) and with the oracle with planted errors (rollbacks of every depth 1..7); a second request
+with a new prompt on the same decoder (a prefix cut deeper than the snapshots); R = 3 batched equal
+to one at a time.  Once: ``run`` with the default ``auto`` from an empty cache (its cost curve is
+measured on the hybrid), ``serve -np 4`` concurrent == sequential, the ``Llama`` plug-in refused at
+attach, and the hybrids outside the scope refused before loading (still running without a draft).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from greedy_ref import first_divergence, greedy
+from first_run import user_env
+from pyllama_dspark.decode.api import Speculator
+from pyllama_dspark.decode.loop import Decoder
+from pyllama_dspark.errors import UnsupportedArchError
+from pyllama_dspark.gguf.info import read_draft_info, validate_pair
+from pyllama_dspark.gguf.layer_inputs import DRAFTING_HYBRID_ARCHS, HYBRID_ARCHS
+from pyllama_dspark.gguf.target_info import read_target_info
+from pyllama_dspark.gguf.target_writer import make_test_target
+from pyllama_dspark.gguf.testing import make_test_draft
+from pyllama_dspark.prompts import load_prompts
+from pyllama_dspark.speculative.oracle import OracleProposer
+
+HYBRIDS = ("lfm2", "qwen35", "qwen35moe", "nemotron_h")
+N_VOCAB = 4096
+N_PROMPT = 32
+N_GEN = 96
+N_CTX = 512
+THREADS = 1
+SETTINGS = dict(n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_threads=THREADS, flash_attn="auto")
+
+
+def open_ref(target):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(target), n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_threads=THREADS,
+                 n_threads_batch=THREADS, flash_attn=True, verbose=False)
+
+
+@dataclasses.dataclass
+class Case:
+    arch: str
+    target: str
+    draft: str
+    prompts: list
+    refs: list
+    llm: object
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def case(request, tmp_path_factory):
+    arch = request.param
+    d = tmp_path_factory.mktemp(f"hybrid-{arch}")
+    target = str(make_test_target(d / "target.gguf", arch, n_vocab=N_VOCAB, seed=11, vocab_type="f32"))
+    draft = str(make_test_draft(target, d / "draft.gguf", kind="dspark", seed=5))
+    llm = open_ref(target)
+    texts = [it.turns[0] for it in load_prompts(limit_per_file=1)][:3]
+    prompts = [llm.tokenize(t.encode(), add_bos=False, special=False)[:N_PROMPT] for t in texts]
+    refs = [greedy(llm, p, N_GEN) for p in prompts]
+    yield Case(arch, target, draft, prompts, refs, llm)
+    llm.close()
+
+
+def speculator(target, draft=None, **kw) -> Speculator:
+    kw.setdefault("schedule", "off")   # every drafted token verified: llama.cpp's fixed block
+    return Speculator(target, draft, **{**SETTINGS, **kw})
+
+
+def _same(case, outs, label):
+    bad = [(k, first_divergence(list(o), list(r))) for k, (o, r) in enumerate(zip(outs, case.refs)) if list(o) != list(r)]
+    assert not bad, f"{case.arch} {label}: prompts diverging from Llama greedy (prompt, generated token): {bad}"
+
+
+def test_snapshots_sized_to_the_block(case):
+    with speculator(case.target, case.draft) as sp:
+        assert sp.target.recurrent and sp.target.n_rs_seq == read_draft_info(case.draft).max_drafts
+    with speculator(case.target) as sp:   # no draft: no snapshots to pay for
+        assert sp.target.recurrent and sp.target.n_rs_seq == 0
+
+
+def test_lossless_random_draft(case):
+    """A random draft is rejected almost always: the whole block rolls back every cycle."""
+    with speculator(case.target, case.draft) as sp:
+        dones = [sp.generate(p, N_GEN) for p in case.prompts]
+    _same(case, [d.tokens for d in dones], "random draft")
+    assert sum(d.stats.drafted for d in dones) > N_GEN
+
+
+def test_lossless_oracle_every_rollback_depth(case):
+    with speculator(case.target, case.draft) as sp:   # the draft's block sizes the snapshots
+        dones = []
+        for k, p in enumerate(case.prompts):
+            sp.decoder.proposer = OracleProposer(list(p) + list(case.refs[k]), N_VOCAB, block_size=7, p_error=0.7,
+                                                 seed=k)
+            dones.append(sp.generate(p, N_GEN))
+    _same(case, [d.tokens for d in dones], "oracle (planted errors)")
+    depths = {dn - a for d in dones for dn, a in zip(d.stats.verify_lengths, d.stats.cycle_accepted) if a < dn}
+    print(f"[{case.arch}] rollback depths seen: {sorted(depths)}")
+    assert set(range(1, 8)) <= depths
+
+
+def test_a_new_prompt_on_the_same_decoder(case):
+    """The prompt cache keeps what a recurrent state can resume from: a new prompt sharing a short
+    prefix needs a cut far deeper than the snapshots reach, and is decoded again instead."""
+    p0, p1 = list(case.prompts[0]), list(case.prompts[0][:4]) + list(case.prompts[1][4:])
+    want = greedy(case.llm, p1, N_GEN)
+    with speculator(case.target, case.draft) as sp:
+        first = sp.generate(p0, N_GEN, reuse_prefix=True)
+        second = sp.generate(p1, N_GEN, reuse_prefix=True)
+        again = sp.generate(p1, N_GEN, reuse_prefix=True)   # the same prompt once more: kept, or decoded again
+    assert list(first.tokens) == list(case.refs[0])
+    assert list(second.tokens) == list(want), first_divergence(list(second.tokens), list(want))
+    assert list(again.tokens) == list(want)
+
+
+def test_batched_equals_one_at_a_time(case):
+    with speculator(case.target, case.draft, n_seq=3, n_ctx=3 * N_CTX) as sp:
+        outs = Decoder(sp.target, sp.proposer, n_max=sp.n_max).run([list(p) for p in case.prompts], N_GEN, ())
+    _same(case, [o.tokens for o in outs], "3 requests batched")
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    """An LFM2 target and its random draft, for the tests that need one hybrid."""
+    d = tmp_path_factory.mktemp("hybrid-one")
+    target = str(make_test_target(d / "lfm2.gguf", "lfm2", n_vocab=N_VOCAB, seed=3, vocab_type="f32"))
+    return Case("lfm2", target, str(make_test_draft(target, d / "draft.gguf", kind="dspark", seed=5)), [], [], None)
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+
+def test_hybrids_out_of_scope_are_refused_before_loading(lfm2):
+    """The hybrid archs that do not draft (no snapshots in llama.cpp, or untested here) are refused
+    with a message naming the arch; the refusal comes from the files, before llama.cpp sees them."""
+    d, t = read_draft_info(lfm2.draft), read_target_info(lfm2.target)
+    for arch in sorted(HYBRID_ARCHS - DRAFTING_HYBRID_ARCHS):
+        with pytest.raises(UnsupportedArchError, match=arch.replace("-", r"\-")):
+            validate_pair(d, dataclasses.replace(t, arch=arch))
+    for arch in sorted(DRAFTING_HYBRID_ARCHS):
+        validate_pair(d, dataclasses.replace(t, arch=arch))
+
+
+def test_qwen3next_runs_without_a_draft_and_refuses_one(tmp_path):
+    """llama.cpp has no snapshots for qwen3next: drafting is refused with the arch named (exit 1,
+    no traceback), --no-draft runs."""
+    target = str(make_test_target(tmp_path / "q3n.gguf", "qwen3next", n_vocab=N_VOCAB, seed=3, vocab_type="f32"))
+    args = ["run", "-m", target, "--raw", "-p", "Once upon a time", "-n", "8", "--temp", "0", "-t", "1"]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", *args, *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=600)
+    refused = run("-md", "random")
+    assert refused.returncode != 0 and "qwen3next" in refused.stderr and "--no-draft" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    plain = run("--no-draft")
+    assert plain.returncode == 0 and plain.stdout.strip(), plain.stderr[-2000:]
+
+
+def test_the_llama_plugin_refuses_a_hybrid_and_the_llama_still_runs(lfm2):
+    from pyllama_dspark import DSpark, DSparkDraftModel
+
+    llm = open_ref(lfm2.target)
+    want = greedy(llm, list(range(100, 120)), 16)
+    with pytest.raises(UnsupportedArchError, match="recurrent state"):
+        DSparkDraftModel(llm, lfm2.draft)
+    with pytest.raises(UnsupportedArchError, match="recurrent state"):
+        DSpark.from_llama(llm, lfm2.draft)
+    assert llm.draft_model is None
+    assert greedy(llm, list(range(100, 120)), 16) == want
+    llm.close()
+
+
+# ---- as users run it -------------------------------------------------------------------------------
+
+
+
+def test_run_with_auto_from_an_empty_cache(lfm2, tmp_path):
+    """The default schedule measures its cost curve on the hybrid (trial decodes undone by a
+    checkpoint) and drafts losslessly: the same text as --no-draft."""
+    env = user_env(tmp_path / "cache")   # as a user runs it: none of the suite's variables
+
+    def cli(*a):
+        return subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", *a], capture_output=True, text=True,
+                              timeout=600, env=env, cwd=tmp_path)
+
+    args = ["run", "-m", lfm2.target, "--raw", "-p", "Once upon a time", "-n", "48", "--temp", "0", "--json", "-t", "1"]
+    plain = cli(*args, "--no-draft")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    for md in ("random", "oracle:0.6"):
+        p = cli(*args, "-md", md)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = json.loads(p.stdout)
+        assert out["tokens"] == json.loads(plain.stdout)["tokens"], md
+        assert out["stats"]["schedule"].startswith("schedule auto")
+        assert "measuring this machine's verify cost curve" in p.stderr or md != "random"
+    curves = [f for f in (tmp_path / "cache" / "profiles").glob("*.json") if not f.name.startswith("learned")]
+    assert curves or "not cached" in p.stderr
+
+
+def test_serve_concurrent_equals_sequential(lfm2, tmp_path):
+    from serve_helpers import ServeProcess
+
+    draft = lfm2.draft
+    cold_prompt = "Story 0: once upon a time"
+    bodies = [{"prompt": cold_prompt if i == 0 else f"Story {i}: once upon a time", "n_predict": 32, "temperature": 0,
+               "cache_prompt": True} for i in range(4)]
+    srv = ServeProcess(lfm2.target, draft, tmp_path / "serve.log", n_slots=4, n_ctx=512, extra=["--schedule", "off"])
+    content = lambda b: srv.post("/completion", b).json()["content"]  # noqa: E731
+    try:
+        cold = content(bodies[0])                  # a fresh server
+        seq = [content(b) for b in bodies]
+        with ThreadPoolExecutor(4) as ex:
+            conc = list(ex.map(content, bodies))
+        content(dict(bodies[0], prompt="Story 0: once upon a midnight dreary, while I pondered"))
+        after = content(bodies[0])                 # its slot now holds another prompt: cut deep, decoded again
+        props = srv.get("/props").json()
+    finally:
+        srv.stop()
+    assert conc == seq and seq[0] == cold and after == cold
+    assert "failed" not in srv.log_text()
+    rs = props["recurrent_state"]   # what the snapshots cost, shown
+    assert rs["n_rs_seq"] == read_draft_info(draft).max_drafts and rs["state_bytes"] > 0 and rs["slots"] == 4
+    assert rs["snapshot_bytes"] == rs["n_rs_seq"] * rs["state_bytes"] and "hybrid target" in srv.log_text()
+
+
+# ---- C++ parity ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server_binary():
+    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
+
+    return ensure_llama_server()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["lfm2", "qwen35"], indirect=True)
+def test_parity_llama_server(case, server_binary, tmp_path):
+    """llama-server's own DSpark loop on the same hybrid files (its target also rolls back by
+    snapshots, n_rs_seq = n_max): the same tokens and the same per-step (drafted, accepted)."""
+    from pyllama_dspark.gguf.testing import plant_markov_bigrams
+    from pyllama_dspark.upstream.llama_server import LlamaServer
+
+    bigram = make_test_draft(case.target, tmp_path / "bigram.gguf", kind="dspark", markov_rank=256, seed=3)
+    assert plant_markov_bigrams(bigram, [list(p) + list(r) for p, r in zip(case.prompts, case.refs)],
+                                drop_every=4) > 20
+    rows = []
+    for label, draft in (("random", case.draft), ("bigram", str(bigram))):
+        with LlamaServer(server_binary, case.target, draft, spec_type="draft-dspark", n_max=7, ctx=N_CTX,
+                         threads=THREADS, n_batch=64, n_ubatch=64, flash_attn="auto") as srv, \
+                speculator(case.target, draft, n_max=7) as sp:
+            for k, p in enumerate(case.prompts[:2]):
+                cpp, ours = srv.complete(p, N_GEN), sp.generate(p, N_GEN)
+                c_steps = [(s[0], s[1]) for s in cpp["steps"]]
+                o_steps = [(dn, a) for dn, a in zip(ours.stats.verify_lengths, ours.stats.cycle_accepted) if dn > 0]
+                rows.append((label, k, cpp["tokens"] == list(ours.tokens), c_steps == o_steps, ours.stats.accepted))
+                print(f"[{case.arch}] parity {label} prompt {k}: tokens equal {rows[-1][2]}, steps equal {rows[-1][3]}, "
+                      f"ours (drafted, accepted) ({ours.stats.drafted}, {ours.stats.accepted})")
+    assert all(r[2] and r[3] for r in rows), rows
+    assert sum(r[4] for r in rows if r[0] == "bigram") > 20
