@@ -4,6 +4,11 @@ users run it, and a table of what docs/gpu.md reports.
     python bench/gpu_suite.py TARGET [-n 256] [-ngl 99] [--configs NAME=FLAGS;...] [--out DIR]
                               [--budget-s 240] [--cli "python3 -c '...'"]
 
+TARGET may also be ``make:ARCH`` (one of :data:`MADE`: the hybrids lfm2 / qwen35 / qwen3next and
+qwen3 beside them, 24 layers of width 2048, F16, a 32,768-token vocabulary): a random target
+written into ``--out`` first (``make-test-target``), so that a device run covers the hybrid
+targets' rollbacks (snapshots, checkpoints) as docs/targets.md describes them.
+
 Each config is ``run -m TARGET -ngl N -n N --temp 0 --ignore-eos --raw --json -p PROMPT`` plus its
 flags (default set below: no draft twice, ``auto`` with the random draft, ``-md oracle:0.9`` under
 ``auto`` and as a fixed block, with bf16 and q8_0 drafts, with and without the device read-out, and
@@ -75,6 +80,28 @@ def row(name, d, base_tps, base_tokens):
     }
 
 
+#: ``make:ARCH`` targets: the same shape for every arch (docs/benchmarks/hybrid.md has the CPU figures)
+MADE = ("qwen3", "lfm2", "qwen35", "qwen3next")
+MADE_SHAPE = dict(n_layer=24, n_embd=2048, n_head=16, n_head_kv=8, head_dim=128, n_ff=6144, n_vocab=32768,
+                  weight_type="f16", seed=1)
+
+
+def made_target(spec: str, out: str) -> str:
+    """The path of TARGET, writing ``make:ARCH`` targets into ``out`` first."""
+    if not spec.startswith("make:"):
+        return spec
+    arch = spec.split(":", 1)[1]
+    if arch not in MADE:
+        raise SystemExit(f"make:ARCH takes one of {', '.join(MADE)}")
+    from pyllama_dspark.gguf.target_writer import make_test_target
+
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{arch}-made.gguf")
+    if not os.path.exists(path):
+        make_test_target(path, arch, **MADE_SHAPE)
+    return path
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("target")
@@ -87,6 +114,7 @@ def main():
     ap.add_argument("--cli", default=None, help="how to call the CLI (default: this Python's pyllama_dspark.cli)")
     a = ap.parse_args()
     cli = shlex.split(a.cli) if a.cli else [sys.executable, "-m", "pyllama_dspark.cli"]
+    a.target = made_target(a.target, a.out)
     t_start = time.time()
     results, errors = {}, {}
     for cfg in a.configs.split(";"):

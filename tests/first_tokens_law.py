@@ -38,6 +38,7 @@ def two_token_law(llm, prompt: Sequence[int], params: SamplingParams, grammar: s
     llm.reset()
     llm.eval(prompt)
     n = llm.n_tokens
+    hybrid = bool(ll.llama_model_is_hybrid(llm.model) or ll.llama_model_is_recurrent(llm.model))
     g = (lambda gen: (vocab, grammar, gen)) if grammar is not None else (lambda gen: None)
     chain = LlamaChain(params, v, prompt, grammar=g(()))
     p1 = chain.probs(_row(llm))
@@ -48,8 +49,12 @@ def two_token_law(llm, prompt: Sequence[int], params: SamplingParams, grammar: s
         if ll.llama_vocab_is_eog(vocab, t1):
             law[(t1,)] = float(p1[t1])
             continue
-        llm.n_tokens = n
-        llm.eval([t1])
+        if hybrid:   # a recurrent state cannot be cut back to the prompt (Llama's kv_cache_seq_rm(-1, n, -1))
+            llm.reset()
+            llm.eval(prompt + [t1])
+        else:
+            llm.n_tokens = n
+            llm.eval([t1])
         chain = LlamaChain(params, v, prompt + [t1], grammar=g((t1,)))
         p2 = chain.probs(_row(llm))
         chain.close()

@@ -90,7 +90,6 @@ def test_greedy_decoding_is_finite_and_deterministic(hybrid):
 
 
 def test_make_test_draft_pairs_with_it(hybrid):
-    from pyllama_dspark.errors import UnsupportedArchError
     from pyllama_dspark.gguf import layer_inputs
     from pyllama_dspark.gguf.info import read_draft_info, validate_pair
     from pyllama_dspark.gguf.target_info import read_target_info
@@ -101,11 +100,8 @@ def test_make_test_draft_pairs_with_it(hybrid):
     t = read_target_info(target, use_cache=False)
     assert t.arch == ARCH_SPECS[arch].gguf_arch and t.n_layer == ARCH_SPECS[arch].n_layer
     d = read_draft_info(draft, use_cache=False)
-    if t.arch in getattr(layer_inputs, "DRAFTING_HYBRID_ARCHS", HYBRID_TARGET_ARCHS):
-        validate_pair(d, t)   # raises on a mismatch
-    else:                     # qwen3next: llama.cpp cannot roll its recurrent state back (no-draft only)
-        with pytest.raises(UnsupportedArchError, match="--no-draft"):
-            validate_pair(d, t)
+    assert t.arch in layer_inputs.DRAFTING_HYBRID_ARCHS
+    validate_pair(d, t)   # raises on a mismatch
 
 
 @pytest.mark.parametrize("arch", HYBRID_TARGET_ARCHS)

@@ -36,6 +36,7 @@ import numpy as np
 
 from pyllama_dspark.decode.cycle import Chunk, Done, OneHotRows, PieceCache, Started, TargetRows
 from pyllama_dspark.decode.prefill import prefill
+from pyllama_dspark.llama.recurrent import VerifyCheckpoints
 from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache
 from pyllama_dspark.decode.request import Request, grammar_cut, make_request, token_probs
 from pyllama_dspark.llama.handles import Draft, RowBuffers, Target
@@ -65,6 +66,7 @@ class Decoder:
         then gets its slot by llama-server's rule (:mod:`.prompt_cache`, ``slot_similarity``)."""
         self.target = target
         self.tie_eps = float(tie_eps)
+        self._undo = VerifyCheckpoints(target) if VerifyCheckpoints.needed(target) else None
         n_seq = int(target.settings.n_seq_max)
         self.slots = list(range(n_seq)) if slots is None else [int(s) for s in slots]
         if not self.slots or any(not 0 <= s < n_seq for s in self.slots) or len(set(self.slots)) < len(self.slots):
@@ -346,6 +348,11 @@ class Decoder:
             pos[n:n + 1 + k] = self._arange[:1 + k] + s.pos0
             seqs[n:n + 1 + k] = s.seq_id
             n += 1 + k
+        undo = self._undo
+        if undo is not None:   # a recurrent state without snapshots: checkpoints (llama/recurrent.py)
+            for s, k in zip(act, lengths):
+                if k:
+                    undo.take(s.seq_id)
         tgt.decode_buffers(self._rows, n)
         if any(s.smp is None for s in act):
             tgt.argmax_buffers(self._rows, 0, n)
@@ -388,12 +395,17 @@ class Decoder:
                 else:
                     observe_later(prop, off, 1, s.pos0, s.seq_id)
             if n_acc < k:
-                tgt.seq_rm(s.seq_id, s.pos0 + n_acc + 1, -1)
+                if undo is not None:
+                    undo.rollback(s.seq_id, s.pos0, [s.anchor] + d[:n_acc].tolist())
+                else:
+                    tgt.seq_rm(s.seq_id, s.pos0 + n_acc + 1, -1)
                 if prop is not None:
                     prop.rollback(s.pos0 + n_acc + 1, s.seq_id)
             s.pos0 += n_acc + 1
             s.anchor = emitted[-1]
             self._emit(s, emitted)
+        if undo is not None:
+            undo.replay()
         t3 = clock()
         if self._policy is not None and prop is not None:
             self._policy.observe_cycle(R, n, (t3 - t1) * 1e3)

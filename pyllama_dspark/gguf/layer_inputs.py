@@ -79,9 +79,9 @@ def unsupported_arch_message(arch: str, name: str) -> str:
 HYBRID_ARCHS: frozenset = frozenset({"qwen3next", "qwen35", "qwen35moe", "deepseek4", "nemotron_h",
                                      "nemotron_h_moe", "lfm2", "lfm2moe", "minimax-01", "bailingmoe3"})
 
-#: The hybrids DSpark drafts on: snapshot rollback, tested losslessly on random targets of the
-#: arch (docs/targets.md).  The other hybrids run without a draft.
-DRAFTING_HYBRID_ARCHS: frozenset = frozenset({"qwen35", "qwen35moe", "nemotron_h", "lfm2"})
+#: The hybrids DSpark drafts on, tested losslessly on random targets of the arch (docs/targets.md):
+#: snapshot rollback, and for qwen3next checkpoints of its state.  The other hybrids run without a draft.
+DRAFTING_HYBRID_ARCHS: frozenset = frozenset({"qwen35", "qwen35moe", "nemotron_h", "lfm2", "qwen3next"})
 
 
 def unsupported_hybrid_message(arch: str, name: str) -> str:

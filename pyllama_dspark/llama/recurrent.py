@@ -105,3 +105,42 @@ def footprint(target) -> dict:
     finally:
         target.seq_rm(0, 0, -1)
     return {"n_rs_seq": int(target.n_rs_seq), "state_bytes": state, "snapshot_bytes": int(target.n_rs_seq) * state}
+
+
+class VerifyCheckpoints:
+    """A rejected tail on a recurrent state without snapshots (``n_rs_seq`` 0: llama.cpp has none
+    for qwen3next), as llama-server's speculative checkpoints do it: each drafting sequence's state
+    is copied before the verify decode; where the block is cut, the state is restored (the
+    sequence ends before the anchor again) and the anchor and the accepted drafts are decoded once
+    more, together for all sequences, after the step has read the verify's rows."""
+
+    def __init__(self, target):
+        self.target = target
+        self._ckpt: dict = {}
+        self._replay: list = []
+        self.n_restored = 0
+
+    @staticmethod
+    def needed(target) -> bool:
+        return bool(getattr(target, "recurrent", False)) and int(getattr(target, "n_rs_seq", 0)) == 0
+
+    def take(self, seq_id: int) -> None:
+        self._ckpt[seq_id] = Checkpoint(self.target, seq_id)
+
+    def rollback(self, seq_id: int, pos0: int, kept) -> None:
+        """Undo the verify of ``seq_id`` but for ``kept`` (the anchor and the accepted drafts, at ``pos0``..)."""
+        self._ckpt.pop(seq_id).restore(self.target, seq_id)
+        self._replay.append((seq_id, int(pos0), [int(t) for t in kept]))
+        self.n_restored += 1
+
+    def replay(self) -> None:
+        """Decode the kept rows of every restored sequence (no outputs); forget the other checkpoints."""
+        import numpy as np
+
+        self._ckpt.clear()
+        if not self._replay:
+            return
+        rows = [(t, p + i, s) for s, p, kept in self._replay for i, t in enumerate(kept)]
+        self._replay = []
+        tok, pos, seq = (np.asarray(c, dtype=np.int32) for c in zip(*rows))
+        self.target.decode_rows(tok, pos, seq, np.zeros(len(rows), dtype=np.int8))
