@@ -68,9 +68,16 @@ def clean(target_path, tmp_path_factory):
     _run(target_path, first)
     curves, learned = _files(first)
     assert len(curves) == 1 and len(learned) == 1, (curves, learned)
-    ref_cache = base / "ref"
-    shutil.copytree(first, ref_cache)
-    return first, _run(target_path, ref_cache)
+    for attempt in range(3):
+        # the reference is the baseline, not what is tested: a burst of load from the suite's other
+        # worker can make auto stop drafting for a while in one run (it reads the cycles it times);
+        # such a run is measured again, from a fresh copy of the clean cache
+        ref_cache = base / f"ref{attempt}"
+        shutil.copytree(first, ref_cache)
+        ref = _run(target_path, ref_cache)
+        if _share(ref["stats"]["verify_lengths"])[0] > 0.5:
+            break
+    return first, ref
 
 
 @pytest.mark.parametrize("poison", list(POISONS.values()), ids=list(POISONS))

@@ -162,8 +162,8 @@ def fake_grammar(monkeypatch):
 
     mod.GrammarError, mod.Grammar, mod.schema_to_gbnf, mod.JSON_OBJECT_GBNF = GrammarError, Grammar, schema_to_gbnf, "OBJ"
     monkeypatch.setitem(sys.modules, "pyllama_dspark.llama.grammar", mod)
-    import pyllama_dspark.speculative as spec_pkg
-    monkeypatch.setattr(spec_pkg, "grammar", mod, raising=False)
+    import pyllama_dspark.llama as llama_pkg
+    monkeypatch.setattr(llama_pkg, "grammar", mod, raising=False)
     return compiled
 
 
