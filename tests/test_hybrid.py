@@ -184,6 +184,14 @@ def test_the_dspark_class_twice_with_new_prompts(lfm2):
     llm.close()
 
 
+def test_crosscheck_on_a_hybrid(lfm2):
+    """``crosscheck`` (our loop against plain greedy and the numpy draft graph) on a hybrid: OK."""
+    p = subprocess.run([sys.executable, "-m", "pyllama_dspark.cli.main", "crosscheck", "-m", lfm2.target, "-md", lfm2.draft,
+                        "--limit", "1", "-n", "16", "-t", "1"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "crosscheck: OK" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+    assert "MISMATCH" not in p.stdout + p.stderr
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 def test_hybrids_out_of_scope_are_refused_before_loading(lfm2):
