@@ -243,7 +243,9 @@ def test_run_with_auto_from_an_empty_cache(lfm2, tmp_path):
         assert out["stats"]["schedule"].startswith("schedule auto")
         assert "measuring this machine's verify cost curve" in p.stderr or md != "random"
     curves = [f for f in (tmp_path / "cache" / "profiles").glob("*.json") if not f.name.startswith("learned")]
-    assert curves or "not cached" in p.stderr
+    # cached, or (measured beside the suite's other worker) not kept, each said: rejected twice for
+    # the load, or dropped at close when the run's own cycles contradict it (docs/schedule.md)
+    assert curves or "not cached" in p.stderr or "is dropped" in p.stderr, p.stderr[-2000:]
 
 
 def test_serve_concurrent_equals_sequential(lfm2, tmp_path):

@@ -80,10 +80,8 @@ def clean(target_path, tmp_path_factory):
     return first, ref
 
 
-@pytest.mark.parametrize("poison", list(POISONS.values()), ids=list(POISONS))
-def test_a_poisoned_cache_heals(poison, clean, target_path, tmp_path):
-    first, ref = clean
-    cache = tmp_path / "cache"
+def _poisoned(poison, first, cache):
+    """A copy of the clean cache, poisoned; (its curve and learned files, the curve before and after)."""
     shutil.copytree(first, cache)
     (curve_f,), (learned_f,) = _files(cache)
     curve, learned = json.loads(curve_f.read_text()), json.loads(learned_f.read_text())
@@ -91,14 +89,32 @@ def test_a_poisoned_cache_heals(poison, clean, target_path, tmp_path):
     poison(curve, learned)
     curve_f.write_text(json.dumps(curve))
     learned_f.write_text(json.dumps(learned))
+    return clean_curve, curve
 
-    got = _run(target_path, cache)
-    print(poison.__name__, got["stats"]["verify_lengths"], ref["stats"]["verify_lengths"], got["stderr"][-600:])
-    assert got["tokens"] == ref["tokens"], "not the target's greedy output"
+
+def _near(got, ref) -> bool:
     (share, mean), (ref_share, ref_mean) = _share(got["stats"]["verify_lengths"]), _share(ref["stats"]["verify_lengths"])
-    assert ref_share > 0.5, f"drafting does not pay in the clean reference: {ref['stats']['verify_lengths']}"
-    assert abs(share - ref_share) <= 0.15, (got["stats"]["verify_lengths"], ref["stats"]["verify_lengths"])
-    assert abs(mean - ref_mean) <= max(1.5, 0.3 * ref_mean), (got["stats"]["verify_lengths"], ref["stats"]["verify_lengths"])
+    return abs(share - ref_share) <= 0.15 and abs(mean - ref_mean) <= max(1.5, 0.3 * ref_mean)
+
+
+@pytest.mark.parametrize("poison", list(POISONS.values()), ids=list(POISONS))
+def test_a_poisoned_cache_heals(poison, clean, target_path, tmp_path):
+    first, ref = clean
+    assert _share(ref["stats"]["verify_lengths"])[0] > 0.5, \
+        f"drafting does not pay in the clean reference: {ref['stats']['verify_lengths']}"
+    for attempt in range(2):
+        # the runs read the cycles they time: a burst of load from the suite's other worker can
+        # hold one run's schedule off the reference's for a while, so a run that is not near the
+        # reference is made once more from a fresh poisoned copy (a heal that does not work fails twice)
+        cache = tmp_path / f"cache{attempt}"
+        clean_curve, curve = _poisoned(poison, first, cache)
+        got = _run(target_path, cache)
+        print(poison.__name__, attempt, got["stats"]["verify_lengths"], ref["stats"]["verify_lengths"],
+              got["stderr"][-600:])
+        assert got["tokens"] == ref["tokens"], "not the target's greedy output"
+        if _near(got, ref):
+            break
+    assert _near(got, ref), (got["stats"]["verify_lengths"], ref["stats"]["verify_lengths"])
     # the cache left behind: the poisoned curve replaced by one that passes (or gone: measured again
     # next time, never cached as it was), the learned draft pass near the clean one
     curves, (healed_f,) = _files(cache)

@@ -36,10 +36,10 @@ import numpy as np
 
 from pyllama_dspark.decode.cycle import Chunk, Done, OneHotRows, PieceCache, Started, TargetRows
 from pyllama_dspark.decode.prefill import prefill
-from pyllama_dspark.llama.recurrent import VerifyCheckpoints
 from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache
 from pyllama_dspark.decode.request import Request, grammar_cut, make_request, token_probs
 from pyllama_dspark.llama.handles import Draft, RowBuffers, Target
+from pyllama_dspark.llama.recurrent import VerifyCheckpoints
 from pyllama_dspark.speculative.drafter import (BlockRequest, DraftModelProposer, NoDraft, Proposer, check_n_max,
                                                 hidden_ms_of, llama_ms_of, observe_later, propose_all)
 from pyllama_dspark.speculative.policy import VerifyPolicy

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 
+import numpy as np
 from llama_cpp import llama_cpp as ll
 
 from pyllama_dspark.errors import NativeError
@@ -95,8 +96,6 @@ def undone(target, seq_id: int, pos0: int):
 def footprint(target) -> dict:
     """What the recurrent state costs a sequence: one state's bytes (read after a one-token decode
     into sequence 0, which must be empty, and removed again) and its ``n_rs_seq`` snapshots'."""
-    import numpy as np
-
     if target.seq_pos_max(0) >= 0:
         raise ValueError("footprint() needs an empty sequence 0")
     target.decode(np.zeros(1, dtype=np.int32), 0, 0)
@@ -135,8 +134,6 @@ class VerifyCheckpoints:
 
     def replay(self) -> None:
         """Decode the kept rows of every restored sequence (no outputs); forget the other checkpoints."""
-        import numpy as np
-
         self._ckpt.clear()
         if not self._replay:
             return
