@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from turns import pytest_runtest_protocol  # noqa: F401  (a hook: exclusive tests run alone)
 
 from pyllama_dspark.speculative.costprofile import PROFILE_VERSION
 
@@ -61,7 +62,7 @@ LONGEST_FIRST = ("test_lossless.py", "test_parity_cpp.py", "test_tools_server.py
                  "test_drafts.py", "test_sampling_engine.py", "test_interop_outtypes.py", "test_auto_schedule.py",
                  "test_penalties_greedy.py", "test_fuzz_gguf.py", "test_sampling_rule.py", "test_info_store.py",
                  "test_engine_scenarios.py", "test_oracle_and_memory.py", "test_fuzz_utf8.py",
-                 "test_sampling_draft.py", "test_heal_units.py")
+                 "test_sampling_draft.py", "test_heal_units.py", "test_turns.py")
 
 
 def _selects_readme(config) -> bool:
