@@ -154,6 +154,17 @@ def test_architecture_names_every_module():
     assert not missing, f"docs/architecture.md does not name {missing}: say what each holds in 'What is where'"
 
 
+def test_architecture_names_the_native_files_that_exist():
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    named = set()
+    for stem, exts in re.findall(r"native/(\w+)(?:\.\{([\w,]+)\}|\.(?:cpp|h))", text):
+        named |= {f"{stem}.{e}" for e in exts.split(",")} if exts else set()
+    named |= set(re.findall(r"native/(\w+\.(?:cpp|h))\b", text))
+    present = {f.name for f in (ROOT / "native").iterdir() if f.suffix in (".cpp", ".h")}
+    assert not named - present, f"docs/architecture.md names native files that are gone: {sorted(named - present)}"
+    assert not present - named, f"docs/architecture.md does not name {sorted(present - named)}"
+
+
 DATED = re.compile(r"^## (\d{4}-\d{2}-\d{2})", re.M)
 
 
@@ -175,3 +186,34 @@ def test_every_benchmark_page_is_listed():
     index = (DOCS / "benchmarks" / "index.md").read_text(encoding="utf-8")
     for p in (DOCS / "benchmarks").glob("*.md"):
         assert p.name == "index.md" or f"({p.name})" in index, p.name
+
+
+_CELL_SPLIT = re.compile(r"(?<!\\)\|")
+
+
+def _table_shape_errors(text: str, where: str) -> list:
+    """Rows of a Markdown table whose cell count is not the header's (GitHub's rule: an unescaped
+    ``|`` splits a cell, inside a code span too), outside fenced code blocks."""
+    errors, header, fenced = [], None, False
+    for n, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if s.startswith("```"):
+            fenced, header = not fenced, None
+            continue
+        if fenced or not s.startswith("|"):
+            header = None
+            continue
+        cells = len(_CELL_SPLIT.split(s.strip("|")))
+        if header is None:
+            header = cells
+        elif cells != header:
+            errors.append(f"{where}:{n}: {cells} cells, the header has {header}: {s[:120]}")
+    return errors
+
+
+def test_every_table_row_has_its_headers_cells():
+    pages = [README] + sorted(DOCS.rglob("*.md"))
+    errors = [e for p in pages for e in _table_shape_errors(p.read_text(), str(p.relative_to(ROOT)))]
+    assert not errors, "\n".join(errors)
+    # the check bites: the unescaped metavar that split docs/cli.md's -ngl rows
+    assert _table_shape_errors("| a | b | c |\n|---|---|---|\n| `-ngl` | N|AUTO|ALL | x |\n", "planted")

@@ -84,7 +84,7 @@ def _value(param: click.Parameter, ctx: click.Context) -> str:
         name = (param.metavar or "VALUE")
     if getattr(param, "multiple", False) or (isinstance(param, click.Argument) and param.nargs == -1):
         name += " (repeatable)"
-    return name
+    return _cell(name)   # a metavar such as N|AUTO|ALL would split the row
 
 
 def _default(param: click.Parameter, ctx: click.Context) -> str:
