@@ -1,5 +1,5 @@
 """The docs stay true: the site builds in strict mode, the generated pages are current, and the README
-and the pages keep the shape issue 46 gave them.
+and the pages keep their shape.
 
 - ``mkdocs build --strict`` into a temporary folder: a broken link, a missing anchor, a missing page
   or a page left out of the navigation fails (a negative control shows that a broken link does);
@@ -217,3 +217,21 @@ def test_every_table_row_has_its_headers_cells():
     assert not errors, "\n".join(errors)
     # the check bites: the unescaped metavar that split docs/cli.md's -ngl rows
     assert _table_shape_errors("| a | b | c |\n|---|---|---|\n| `-ngl` | N|AUTO|ALL | x |\n", "planted")
+
+
+# the project's own bookkeeping, which means nothing to a user: its issue numbers, its lab words
+_JARGON = re.compile(r"\bissues? #?\d+|\bhazard[- ]\d+|\bdevice lent\b|\bbefore this release\b", re.I)
+
+
+def _jargon(text: str) -> list:
+    return [m.group(0) for m in _JARGON.finditer(text)]
+
+
+def test_user_pages_carry_no_project_bookkeeping():
+    """The README and the pages (not the dated notes of docs/benchmarks/) cite upstream issues by link,
+    never the project's own issue numbers or lab words."""
+    pages = [README] + [p for p in sorted(DOCS.rglob("*.md")) if "benchmarks" not in p.parts]
+    found = {str(p.relative_to(ROOT)): _jargon(LINK.sub("", p.read_text())) for p in pages}
+    assert not {k: v for k, v in found.items() if v}, found
+    assert _jargon("as issue 46 found; a hazard-9 draft; no device lent since") == \
+        ["issue 46", "hazard-9", "device lent"]

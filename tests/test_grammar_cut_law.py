@@ -1,4 +1,4 @@
-"""A grammar cut at T > 0 keeps the law (issue 46's surviving mutant, mutation/survivors.md).
+"""A grammar cut at T > 0 keeps the law (a mutant that once survived: mutation/survivors.md).
 
 When the grammar rejects a draft x drawn from q, the loop cuts the block before it; the target's
 token at that position must then come from norm(max(p - q, 0)), as for any rejected draft (x has

@@ -1,4 +1,4 @@
-"""``convert`` / ``export``: HF drafter checkpoints <-> draft GGUFs (issue 22).
+"""``convert`` / ``export``: HF drafter checkpoints <-> draft GGUFs.
 
 References: the draft GGUFs themselves (export -> convert must give them back bit for bit),
 decoding with them, and llama.cpp's own converter (the vendored ``convert_hf_to_gguf.py``) run on

@@ -1,4 +1,4 @@
-"""``export`` takes every draft metadata key (issue 46: it refused ``dflash.vocab_size``).
+"""``export`` takes every draft metadata key (it once refused ``dflash.vocab_size``).
 
 References: llama.cpp's own converter (the vendored ``convert_hf_to_gguf.py``) and the key list of
 the vendored gguf-py.

@@ -1,4 +1,4 @@
-"""``convert --outtype bf16 / q8_0`` of the shipped drafter (issue 22): lossless decoding, and block
+"""``convert --outtype bf16 / q8_0`` of the shipped drafter: lossless decoding, and block
 logits within a stated tolerance of the f32 conversion.
 
 The shipped SmolLM2 drafter (F16 matrices, F32 fc, reduced vocabulary with d2t) is exported once and

@@ -1,6 +1,6 @@
 """The native shim's layout (native/), as test_layout.py checks the package's: one concern a file,
 each file in a layer, and uses that go down the layers only, so the files never call each other in
-a circle (dspark_shim.cpp and dspark_sampler.cpp once did: issue 46).
+a circle (dspark_shim.cpp and dspark_sampler.cpp once did).
 
 A use is seen twice.  In the sources: a file that includes an internal header uses the .cpp that
 defines what the header declares.  In the objects, where a C++ compiler is at hand: each .cpp is

@@ -1,4 +1,4 @@
-"""``-md oracle:P`` follows the *current* prefix (issue 44: on a GPU, drafting changes greedy output
+"""``-md oracle:P`` follows the *current* prefix (on a GPU, drafting changes greedy output
 at near-ties, and an oracle that kept proposing the no-draft continuation never matched again).
 
 A divergence is planted: the oracle's prepared reference is shifted by one token from position K

@@ -1,4 +1,4 @@
-"""Repeat / presence / frequency penalties at temperature 0 (issue 15).
+"""Repeat / presence / frequency penalties at temperature 0.
 
 llama.cpp applies the penalties before its greedy pick (common/sampling.cpp: penalties -> ... ->
 temperature 0 -> dist); every front end must do the same, losslessly: each draft is verified

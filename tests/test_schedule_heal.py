@@ -1,4 +1,4 @@
-"""A schedule a busy machine cannot poison (issue 52), each run a fresh process as users run ``run``,
+"""A schedule a busy machine cannot poison, each run a fresh process as users run ``run``,
 with none of the suite's variables (the schedule's memory on, the cost curve measured and cached).
 
 A first run from an empty cache measures the curve and learns; a second, from that cache, is the

@@ -1,4 +1,4 @@
-"""llama-server's request fields and response layouts in ``serve`` (issue 21): grammar / JSON schema,
+"""llama-server's request fields and response layouts in ``serve``: grammar / JSON schema,
 logit bias, token probabilities, the native ``/completion`` endpoint, ``/tokenize``,
 ``/detokenize``, ``/apply-template``, ``/props``, ``/slots`` and ``/metrics``.
 
