@@ -2,7 +2,8 @@
 
 * ``inspect``: prints the draft's metadata (checked against the GGUF read with the ``gguf``
   library, not with our reader) and the pairing verdict; a mismatched pair or a file that is not a
-  GGUF is a one-line error with exit status 1;
+  GGUF is a one-line error with exit status 1; given a target, what it is (read with ``gguf``) and
+  what a draft must match, each stated bound held to by llama.cpp's own load of drafts at and past it;
 * ``make-test-draft``: both kinds, with the size options, write GGUFs that llama.cpp loads and
   drafts with, the greedy output staying ``llama_cpp.Llama``'s; the seed makes the file;
 * ``run -md random`` / ``random-dflash``: the random draft is written once into the cache
@@ -131,3 +132,40 @@ def test_run_with_a_random_draft_is_llama_greedy(which, kind, target_path, llama
     from pyllama_dspark.gguf.info import read_draft_info
 
     assert read_draft_info(str(written[0])).kind == kind
+
+
+def test_inspect_describes_a_target_and_what_a_draft_must_match(target_path, tmp_path):
+    import re
+
+    from pyllama_dspark.decode.api import Speculator
+    from pyllama_dspark.gguf.testing import make_test_draft
+
+    p = _cli("inspect", target_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = p.stdout
+    r = gguf.GGUFReader(target_path)
+    n_layer, n_embd = int(_field(r, "llama.block_count")), int(_field(r, "llama.embedding_length"))
+    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    assert "arch:             llama (llama.cpp captures its layer inputs)" in out, out
+    assert f"{n_layer} x (n_embd {n_embd}" in out and f"{n_vocab} tokens" in out, out
+    assert "memory:           attention KV cache" in out
+    hi = int(re.search(r"layer-input ids in 0\.\.(\d+)", out).group(1))
+    assert f"hidden width:     n_embd {n_embd}" in out
+    # the stated bound is the real one: llama.cpp drafts with a draft reading layer `hi`, and one
+    # reading `hi + 1` is refused (a clear error, before llama.cpp could abort)
+    ok = make_test_draft(target_path, tmp_path / "top.gguf", n_layers=1, target_layers=[0, hi])
+    with Speculator(target_path, str(ok), n_ctx=256, n_threads=1) as sp:
+        assert len(sp.generate("Hi", max_tokens=4).tokens) == 4
+    past = make_test_draft(target_path, tmp_path / "past.gguf", n_layers=1, target_layers=[0, hi + 1])
+    p = _cli("inspect", past, "--target", target_path)
+    assert p.returncode == 1 and "INCOMPATIBLE" in p.stdout, (p.stdout, p.stderr)
+
+
+def test_inspect_says_why_no_draft_runs_on_a_target(tmp_path):
+    from pyllama_dspark.gguf.target_writer import make_test_target
+
+    t = make_test_target(tmp_path / "g3.gguf", "gemma3")
+    p = _cli("inspect", t)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "NO layer-input capture" in p.stdout and "none can run on this target" in p.stdout, p.stdout
+    assert "a DFlash/DSpark draft for it must have" not in p.stdout

@@ -118,16 +118,21 @@ def run(model, draft, prompt, n_predict, n_max, temp, top_k, top_p, min_p, seed,
 
 
 @main.command()
-@click.argument("draft", type=click.Path(dir_okay=False))
+@click.argument("draft", metavar="FILE", type=click.Path(dir_okay=False))
 @click.option("--target", "target", type=click.Path(dir_okay=False), default=None,
               help="Check the pairing with this target GGUF.")
 def inspect(draft, target):
-    """Print a draft's DSpark metadata (and where `convert` made it from) and validate it against a target."""
+    """Print a draft's DSpark metadata (and where `convert` made it from) and validate it against a
+    target; given a target GGUF instead, say whether a draft can run on it and what one must match."""
     from pyllama_dspark.gguf.info import read_draft_info, validate_pair
-    from pyllama_dspark.gguf.report import format_draft_info
+    from pyllama_dspark.gguf.reader import check_path, field_value, read_gguf
+    from pyllama_dspark.gguf.report import format_draft_info, format_target_info
     from pyllama_dspark.gguf.target_info import read_target_info
 
     try:
+        if target is None and field_value(read_gguf(check_path(draft)), "general.architecture", None) != "dflash":
+            click.echo(format_target_info(read_target_info(draft, require_layer_inputs=False)))
+            return
         d = read_draft_info(draft)
         t = read_target_info(target, require_layer_inputs=False) if target else None
         click.echo(format_draft_info(d, t))

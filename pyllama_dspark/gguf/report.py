@@ -1,15 +1,19 @@
-"""The human-readable report of a draft and its fit to a target (``pyllama-dspark inspect``)."""
+"""The human-readable reports of ``pyllama-dspark inspect``: a draft and its fit to a target, or a
+target and what a draft for it must match."""
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from pyllama_dspark.errors import DraftMismatchError
 from pyllama_dspark.gguf.info import SOURCE_PREFIX, DraftInfo, validate_pair
+from pyllama_dspark.gguf.layer_inputs import (DRAFTING_HYBRID_ARCHS, unsupported_arch_message,
+                                             unsupported_hybrid_message)
 from pyllama_dspark.gguf.reader import field_value, read_gguf
 from pyllama_dspark.gguf.target_info import TargetInfo
 
-__all__ = ["format_draft_info"]
+__all__ = ["format_draft_info", "format_target_info"]
 
 
 def _yn(v: Optional[bool]) -> str:
@@ -88,4 +92,45 @@ def format_draft_info(draft_info: DraftInfo, target_info: Optional[TargetInfo] =
             for w in warns:
                 if w not in seen:
                     lines.append(f"  warning: {w}")
+    return "\n".join(lines)
+
+
+def _memory(t: TargetInfo) -> str:
+    if not t.hybrid:
+        return "attention KV cache"
+    if t.arch in DRAFTING_HYBRID_ARCHS:
+        return ("hybrid: a recurrent state beside the attention cache; drafted with state snapshots or "
+                "checkpoints (docs/targets.md)")
+    return "hybrid: a recurrent state beside the attention cache; not drafted yet (docs/targets.md)"
+
+
+def format_target_info(t: TargetInfo) -> str:
+    """Human-readable report of a target GGUF for ``pyllama-dspark inspect``: what it is, whether a
+    DFlash/DSpark draft can run on it, and what such a draft must match (:func:`validate_pair`)."""
+    drafted = t.supports_layer_inputs and (not t.hybrid or t.arch in DRAFTING_HYBRID_ARCHS)
+    lines = [
+        f"target:             {t.path}",
+        f"  arch:             {t.arch} (" + ("llama.cpp captures its layer inputs" if t.supports_layer_inputs
+                                             else "NO layer-input capture in llama.cpp") + ")",
+        f"  memory:           {_memory(t)}",
+        f"  layers:           {t.n_layer} x (n_embd {t.n_embd}, heads {t.n_head}/{t.n_head_kv} kv, "
+        f"head_dim {t.head_dim}, n_ff {t.n_ff})"
+        + (f"; {t.n_layer_all - t.n_layer} MTP layer(s) not counted" if t.n_layer_all != t.n_layer else ""),
+        f"  context (train):  {t.n_ctx_train}",
+        f"  vocabulary:       {t.n_vocab} tokens ({t.tokenizer_model}/{t.tokenizer_pre}, "
+        f"fingerprint {t.tokenizer_fingerprint[:16]}); bos {t.bos_token_id}, eos {t.eos_token_id}",
+    ]
+    if not drafted:
+        why = (unsupported_arch_message if not t.supports_layer_inputs else unsupported_hybrid_message)(
+            t.arch, os.path.basename(t.path))
+        lines.append(f"drafts:             none can run on this target: {why}")
+        return "\n".join(lines)
+    lines += [
+        "a DFlash/DSpark draft for it must have:",
+        f"  hidden width:     n_embd {t.n_embd}",
+        f"  tokenizer:        the target's: {t.n_vocab} tokens, fingerprint {t.tokenizer_fingerprint[:16]} "
+        "(its lm_head may cover fewer, mapped by d2t)",
+        f"  target_layers:    layer-input ids in 0..{t.max_layer_id}",
+        "  fc.weight:        not F16 (its activations overflow on a CPU); F32, BF16 or Q8_0",
+    ]
     return "\n".join(lines)
