@@ -49,7 +49,9 @@ EXPECTED = {
     "google-gemma-4-31B-it.jinja": "gemma4", "google-gemma-4-31B-it-interleaved.jinja": "gemma4",
     "openai-gpt-oss-120b.jinja": "harmony",
     "unsloth-mistral-Devstral-Small-2507.jinja": "[ARGS]", "Mistral-Small-3.2-24B-Instruct-2506.jinja": "[ARGS]",
-    "Qwen3-Coder.jinja": "Qwen3-Coder", "moonshotai-Kimi-K2.jinja": "Kimi", "GLM-4.6.jinja": "GLM",
+    "Qwen3-Coder.jinja": "xml", "Qwen3.5-4B.jinja": "xml", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja": "xml",
+    "StepFun3.5-Flash.jinja": "xml",
+    "moonshotai-Kimi-K2.jinja": "Kimi", "GLM-4.6.jinja": "GLM",
 }
 
 

@@ -47,6 +47,30 @@ TARGETS: Dict[str, ToolTarget] = {t.name: t for t in (
                 ('<|"|>', "user"), ("<|channel>", "user"), ("<channel|>", "user"), "<|tool>", "<tool|>",
                 ("<|tool_response>", "user"), ("<tool_response|>", "user"), "<|think|>"),
                "<bos>", "<turn|>", "<|tool_call>"),
+    # Qwen3-Coder XML calls (<function=NAME><parameter=KEY>): Qwen3.5 and Nemotron 3 think, Qwen3-Coder not
+    ToolTarget("qwen35", "qwen3", "Qwen3.5-4B.jinja",
+               (("<tool_call>", "user"), ("</tool_call>", "user"), ("<think>", "user"), ("</think>", "user"),
+                ("<tool_response>", "user"), ("</tool_response>", "user")), None, "<|im_end|>", "<tool_call>"),
+    # the same template on a hybrid Qwen3.5 target (Gated DeltaNet beside attention): calls under speculation
+    ToolTarget("qwen35-hybrid", "qwen35", "Qwen3.5-4B.jinja",
+               (("<tool_call>", "user"), ("</tool_call>", "user"), ("<think>", "user"), ("</think>", "user"),
+                ("<tool_response>", "user"), ("</tool_response>", "user")), None, "<|im_end|>", "<tool_call>"),
+    ToolTarget("qwen3coder", "qwen3", "Qwen3-Coder.jinja",
+               (("<tool_call>", "user"), ("</tool_call>", "user"), ("<tool_response>", "user"),
+                ("</tool_response>", "user")), None, "<|im_end|>", "<tool_call>"),
+    ToolTarget("nemotron3", "qwen3", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
+               (("<tool_call>", "user"), ("</tool_call>", "user"), ("<think>", "user"), ("</think>", "user"),
+                ("<tool_response>", "user"), ("</tool_response>", "user")), None, "<|im_end|>", "<tool_call>"),
+    # LFM2 / LFM2.5 Python-style calls: the list / call / response markers are control tokens of
+    # Liquid's vocabulary, <think> / </think> (LFM2.5) user-defined
+    ToolTarget("lfm2", "llama", "LFM2-8B-A1B.jinja",
+               ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>",
+                "<|tool_call_start|>", "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>",
+                ("<think>", "user"), ("</think>", "user")), "<|startoftext|>", "<|im_end|>", "<|tool_call_start|>"),
+    ToolTarget("lfm25", "llama", "LFM2.5-8B-A1B.jinja",
+               ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>",
+                "<|tool_call_start|>", "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>",
+                ("<think>", "user"), ("</think>", "user")), "<|startoftext|>", "<|im_end|>", "<|tool_call_start|>"),
 )}
 
 

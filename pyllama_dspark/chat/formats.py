@@ -20,7 +20,13 @@ Formats built here (:data:`FORMATS`):
 * ``generic``: a template with no tool syntax of its own (SmolLM2): the tools are described in a
   system message we add and the reply is asked for in the ``hermes`` form;
 * ``harmony``: GPT-OSS's channels, ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``
-  (:mod:`.harmony`), one call per reply, the analysis channel as reasoning.
+  (:mod:`.harmony`), one call per reply, the analysis channel as reasoning;
+* ``xml``: Qwen3-Coder XML, ``<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>``
+  (:mod:`.xml_calls`: Qwen3.5 / 3.6, Qwen3-Coder, Nemotron 3 Nano), a ``<think>`` block as reasoning
+  where the template has one;
+* ``lfm2`` / ``lfm25``: LFM2 / LFM2.5, ``<|tool_call_start|>[NAME(key="value", n=1)]<|tool_call_end|>``
+  (:mod:`.lfm2`), Python-style calls, several in one list, a ``<think>`` block as reasoning where the
+  template has one.
 
 Every other template that renders tools is refused with :class:`UnsupportedToolFormat`, whose
 message names the format (never a silent fallback to plain text).
@@ -92,17 +98,35 @@ _HARMONY = ToolFormat("harmony", "GPT-OSS harmony channels", "", "", "", "argume
                       markers=("<|channel|>", "<|constrain|>", "<|message|>", "<|start|>", "<|end|>"))
 FORMATS[_HARMONY.name] = _HARMONY
 
+# Qwen3-Coder XML: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n... (:mod:`.xml_calls`);
+# a template with <think> (Qwen3.5, Nemotron 3) reasons first, Qwen3-Coder may leave out the first <tool_call>
+_XML = ToolFormat("xml", "Qwen3-Coder XML <function=NAME><parameter=KEY>", "<tool_call>\n", "</tool_call>", "",
+                  "arguments", trigger="<tool_call>", codec="xml_calls")
+FORMATS[_XML.name] = _XML
+SUPPORTED = SUPPORTED.replace(", and templates", ", Qwen3-Coder XML (Qwen3.5 / 3.6, Qwen3-Coder, Nemotron 3 Nano), "
+                                                "and templates")
+
+# LFM2 / LFM2.5: <|tool_call_start|>[name(key="value", n=1), ...]<|tool_call_end|>, Python-style calls
+# (:mod:`.lfm2`); LFM2's template lists the tools between <|tool_list_start|> / <|tool_list_end|>, LFM2.5's
+# as plain "List of tools: [" (chat.cpp tells them apart so); a <think> block as reasoning where the
+# template has one
+_LFM2 = ToolFormat("lfm2", "LFM2 <|tool_call_start|>[name(key=value)]", "<|tool_call_start|>", "<|tool_call_end|>",
+                   "", "arguments", trigger="<|tool_call_start|>", codec="lfm2",
+                   markers=("<think>", "</think>", "<|tool_list_start|>", "<|tool_list_end|>"))
+_LFM25 = ToolFormat(**{**_LFM2.__dict__, "name": "lfm25", "label": "LFM2.5 <|tool_call_start|>[name(key=value)]",
+                       "markers": ("<think>", "</think>")})
+FORMATS.update({_LFM2.name: _LFM2, _LFM25.name: _LFM25})
+SUPPORTED = SUPPORTED.replace(", and templates", ", LFM2 / LFM2.5 Python-style calls, and templates")
+
 # markers of formats llama.cpp handles that we do not build (source markers, as chat.cpp's
 # common_chat_try_specialized_template looks for them): (needles that must all be present, name)
 _UNSUPPORTED: List[Tuple[Tuple[str, ...], str]] = [
     (("[TOOL_CALLS]", "[ARGS]"), "Mistral [TOOL_CALLS]name[ARGS] (Magistral / Devstral / Mistral Small 3.2)"),
-    (("<tool_call>", "<function=", "<parameter="), "Qwen3-Coder XML"),
     (("<|tool_calls_section_begin|>",), "Kimi K2"),
     (("dsml_token",), "DeepSeek V3.2 / V4 DSML"),
     ((">>>all",), "Functionary v3.2"),
     (("<arg_key>",), "GLM / Ling tagged arguments"),
     (("<|START_ACTION|>",), "Command R / Cohere"),
-    (("<|tool_list_start|>",), "LFM2"),
     (("<atem:function_calls>",), "Muse Glimmer"),
 ]
 
@@ -152,7 +176,9 @@ def probe_caps(render: Render) -> TemplateCaps:
     obj = _try(render, _probe_messages({"arg": "value"}), tools=_PROBE_TOOLS)
     s = _try(render, _probe_messages('{"arg": "value"}'), tools=_PROBE_TOOLS)
     # an object rendered as JSON, or in a syntax of the template's own (Gemma 4: arg:<|"|>value<|"|>)
-    supports_obj = obj is not None and "'value'" not in obj and ('"value"' in obj or (obj != s and "value" in obj))
+    # (a Python dict's repr is not; LFM2.5's name(arg='value') is)
+    supports_obj = obj is not None and "{'arg': 'value'}" not in obj and \
+        ('"value"' in obj or (obj != s and "value" in obj))
     rendered = obj if supports_obj else s
     n_tools = (with_tools or "").count("tool1")
     calls = rendered is not None and rendered.count("tool1") > n_tools
@@ -202,6 +228,16 @@ def detect_format(source: str, caps: TemplateCaps) -> ToolFormat:
     if "'<|tool_call>call:'" in source:     # chat.cpp's test
         legacy = "{#- OpenAI Chat Completions:" not in source
         return ToolFormat(**{**_GEMMA4.__dict__, "codec": "gemma4_legacy"}) if legacy else _GEMMA4
+    if all(n in source for n in ("<tool_call>", "<function=", "<parameter=")) \
+            and "'<tool_call><function=' ~ tool_call.name ~ '>'" not in source:     # chat.cpp's test
+        fmt = ToolFormat(**{**_XML.__dict__, "think": ("<think>", "</think>")}) if "<think>" in source else _XML
+        if "You have access to the following functions in JSONSchema format" in source:   # StepFun (chat.cpp)
+            fmt = ToolFormat(**{**fmt.__dict__, "codec": "xml_calls_stepfun"})
+        return fmt
+    lfm2 = "<|tool_list_start|>" in source and "<|tool_list_end|>" in source     # chat.cpp's tests
+    if lfm2 or ("List of tools: [" in source and "<|tool_list_start|>" not in source):
+        fmt = _LFM2 if lfm2 else _LFM25
+        return ToolFormat(**{**fmt.__dict__, "think": ("<think>", "</think>")}) if "<think>" in source else fmt
     for needles, name in _UNSUPPORTED:
         if all(n in source for n in needles):
             raise UnsupportedToolFormat(f"this model's chat template uses the {name} tool-call format, which "

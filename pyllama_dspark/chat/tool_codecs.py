@@ -12,7 +12,9 @@ JSON object ``{"name": ..., "arguments": {...}}`` between fixed markers, and :mo
   :func:`.parse.parse_reply` (``calls`` False: a ``tool_choice: "none"`` reply, reasoning and
   content only);
 * ``adjust_messages(messages) -> messages`` (optional): the conversation as the format's template
-  wants it, after :mod:`.tool_prompt`'s normalisation (GPT-OSS: ``reasoning_content`` -> ``thinking``).
+  wants it, after :mod:`.tool_prompt`'s normalisation (GPT-OSS: ``reasoning_content`` -> ``thinking``);
+* ``WANTS_TOOLS`` (optional, True): ``parse`` takes ``tools=`` (the request's tools), bound by
+  :func:`parser` (Qwen3-Coder XML types each parameter's value by its schema).
 
 One implementation per format behind one interface, as llama.cpp's ``common/parsers/*.cpp``.
 """
@@ -25,6 +27,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pyllama_dspark.chat import gemma4
 from pyllama_dspark.chat import harmony
+from pyllama_dspark.chat import lfm2
+from pyllama_dspark.chat import xml_calls
 from pyllama_dspark.chat.formats import ToolFormat
 from pyllama_dspark.chat.tool_grammar import ToolGrammar, tool_grammar
 from pyllama_dspark.chat.parse import Reply, parse_reply
@@ -33,6 +37,9 @@ __all__ = ["CODECS", "grammar", "parser", "adjust_messages", "adjust_prompt"]
 
 CODECS: Dict[str, Any] = {"gemma4": gemma4, "gemma4_legacy": gemma4.LEGACY}
 CODECS["harmony"] = harmony        # GPT-OSS
+CODECS["lfm2"] = lfm2              # LFM2 / LFM2.5 Python-style calls
+CODECS["xml_calls"] = xml_calls    # Qwen3-Coder XML (Qwen3.5, Qwen3-Coder, Nemotron 3)
+CODECS["xml_calls_stepfun"] = xml_calls.STEPFUN    # ... StepFun 3.5 (its conversation trimmed)
 
 
 def _codec(fmt: Optional[ToolFormat]) -> Optional[ModuleType]:
@@ -48,12 +55,15 @@ def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
     return (c.grammar if c is not None else tool_grammar)(fmt, tools, choice, parallel, think)
 
 
-def parser(fmt: Optional[ToolFormat], calls: bool = True) -> Callable[..., Reply]:
+def parser(fmt: Optional[ToolFormat], calls: bool = True, tools: Optional[Sequence[dict]] = None) -> Callable[..., Reply]:
     """The reply parser of ``fmt`` (:func:`.parse.parse_reply`'s contract); ``calls`` False:
     the parser of a ``tool_choice: "none"`` reply (reasoning and content, no calls), as llama.cpp
-    builds its parser without the tools there."""
+    builds its parser without the tools there; ``tools``: the request's tools, bound for a codec
+    that reads the parameters' types (``WANTS_TOOLS``: Qwen3-Coder XML)."""
     c = _codec(fmt)
     parse = c.parse if c is not None else parse_reply
+    if tools is not None and getattr(c, "WANTS_TOOLS", False):
+        parse = functools.partial(parse, tools=list(tools))
     return parse if calls else functools.partial(parse, calls=False)
 
 

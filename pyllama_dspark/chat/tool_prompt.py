@@ -102,6 +102,14 @@ class ToolChat:
         kw.setdefault("date_string", now.strftime("%d %b %Y"))
         kw.setdefault("datetime", now.strftime("%b %d %Y"))
         kw.setdefault("enable_thinking", True)   # llama.cpp always passes it (Gemma 4 tests "is defined")
+        # llama-server's default preserve_reasoning=true (common/arg.cpp) and the variables it sets
+        # for templates (jinja caps_apply_preserve_reasoning: Nemotron 3's truncate_history_thinking ...)
+        kw.setdefault("preserve_reasoning", True)
+        pr = kw["preserve_reasoning"]
+        if isinstance(pr, bool):
+            for k, v in (("preserve_thinking", pr), ("clear_thinking", not pr), ("truncate_history_thinking", not pr),
+                         ("drop_thinking", not pr)):
+                kw.setdefault(k, v)
         return self._jinja(messages=messages, tools=tools, **kw).prompt
 
     def check(self) -> ToolFormat:

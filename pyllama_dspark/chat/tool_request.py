@@ -152,6 +152,7 @@ class ToolPlan:
     choice: Union[str, dict] = "auto"
     parallel: bool = True
     think_closed: bool = False           # the prompt ends after a closed reasoning block
+    tools: List[dict] = field(default_factory=list)   # the request's tools (a codec's parser may read them)
 
     @property
     def lstrip(self) -> bool:
@@ -191,7 +192,7 @@ class ToolPlan:
         if not self.parses:
             return None
         return ReplyDiffer(self.fmt, self.names, self.lstrip,
-                           parse=tool_codecs.parser(self.fmt, calls=self.choice != "none"))
+                           parse=tool_codecs.parser(self.fmt, calls=self.choice != "none", tools=self.tools))
 
     def special_ids(self, target) -> List[int]:
         """Tokens of the format's markers, rendered in the reply's text even when they are control
@@ -219,4 +220,4 @@ def plan_tools(chat: ToolChat, messages: Sequence[dict], tools: Sequence[dict], 
     closed = fmt is not None and fmt.think is not None and r.prompt.rstrip().endswith(fmt.think[1])
     grammar = tool_codecs.grammar(fmt, tools, choice, bool(parallel), not closed) if fmt is not None and tools else None
     return ToolPlan(fmt, r.prompt, r.added_special, grammar, [t["function"]["name"] for t in tools], choice,
-                    bool(parallel), closed)
+                    bool(parallel), closed, list(tools))
