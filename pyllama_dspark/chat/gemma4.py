@@ -25,12 +25,13 @@ from __future__ import annotations
 import json
 import re
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 from pyllama_dspark.chat.formats import ToolFormat
 from pyllama_dspark.chat.gemma4_chat import adjust_messages, adjust_prompt, legacy_messages
-from pyllama_dspark.chat.tool_grammar import ToolGrammar, ToolSchemaError, until_rules
-from pyllama_dspark.chat.parse import Reply, ToolCall, _held_back
+from pyllama_dspark.chat.schema_gbnf import SchemaWalker
+from pyllama_dspark.chat.tool_grammar import ToolGrammar, ToolSchemaError, calls_of, lit, until_rules, with_root
+from pyllama_dspark.chat.parse import Reply, ToolCall, _Bad, _Cut, _esc, _held_back, _skip_ws
 
 __all__ = ["grammar", "parse", "adjust_messages", "adjust_prompt", "LEGACY", "CALL_OPEN", "CALL_CLOSE", "QUOTE"]
 
@@ -40,10 +41,6 @@ _PREFIX = CALL_OPEN + "call:"
 _SPACE = " \t\n\r\v\f"      # C isspace
 _NUM = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUM_MORE = set("0123456789.eE+-")
-
-
-def _lit(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)
 
 
 # ---- the grammar ------------------------------------------------------------------------------------
@@ -58,7 +55,7 @@ _GENERIC = [
     'gn ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? (("e" | "E") [+-]? [0-9]+)?',
     'gi ::= "-"? ("0" | [1-9] [0-9]*)',
     'gb ::= "true" | "false"',
-    f'gs ::= {_lit(QUOTE)} gsc-0',
+    f'gs ::= {lit(QUOTE)} gsc-0',
 ] + until_rules("gsc", QUOTE)
 
 
@@ -85,206 +82,51 @@ def _key(k: str, where: str) -> str:
     return k
 
 
-# what the grammar cannot say; a string's pattern / format / length are not kept (any string)
-_REFUSED = ("allOf", "not", "if", "then", "else", "patternProperties", "prefixItems", "dependentSchemas")
-_MAX_REPEAT = 64     # maxItems above this is not kept (GBNF repetitions expand into rules)
-
-
-class _Gen:
+class _Gen(SchemaWalker):
     """JSON schema -> GBNF rules for values in Gemma's syntax."""
 
-    def __init__(self, tool: str, root: dict, tid: int):
-        self.tool, self.root, self.rules, self.refs, self.n, self._tid = tool, root, [], {}, 0, tid
+    ANY, ANY_DICT, NULL = "gv", "gd", '"null"'
+    SIMPLE = {"string": "gs", "number": "gn", "integer": "gi", "boolean": '("true" | "false")', "null": '"null"'}
+    SEP = '"," space'
 
-    def _new(self, body: str) -> str:
-        self.n += 1
-        name = f"t{self._tid}-{self.n}"
-        self.rules.append(f"{name} ::= {body}")
-        return name
+    def literal(self, v: Any) -> List[str]:
+        return [lit(_gemma(v, self.where))]
 
-    def err(self, msg: str) -> ToolSchemaError:
-        return ToolSchemaError(f"tool {self.tool!r}: {msg}")
+    def key(self, k: str) -> str:
+        return lit(_key(k, self.where) + ":")
 
-    def value(self, s: Any, depth: int = 0) -> str:
-        if depth > 32:
-            raise self.err("its parameters schema nests too deeply")
-        if s is True or s == {}:
-            return "gv"
-        if not isinstance(s, dict):
-            raise self.err(f"unsupported schema {s!r}")
-        for k in _REFUSED:
-            if k in s:
-                raise self.err(f"unsupported parameters schema keyword {k!r}")
-        alts = self._alts(s, depth)
-        if s.get("nullable") is True and "null" not in alts:
-            alts.append('"null"')
-        return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
-
-    def _alts(self, s: dict, depth: int) -> List[str]:
-        where = f"tool {self.tool!r}"
-        if "$ref" in s:
-            return [self._ref(s["$ref"], depth)]
-        if "const" in s:
-            return [_lit(_gemma(s["const"], where))]
-        if "enum" in s:
-            if not isinstance(s["enum"], list) or not s["enum"]:
-                raise self.err("an empty enum")
-            return [_lit(_gemma(v, where)) for v in s["enum"]]
-        for k in ("anyOf", "oneOf"):
-            if k in s:
-                return [self.value(x, depth + 1) for x in s[k]]
-        t = s.get("type")
-        if isinstance(t, list):
-            return [self.value({**s, "type": x}, depth + 1) for x in t]
-        if t is None:
-            if "properties" in s:
-                t = "object"
-            elif "items" in s:
-                t = "array"
-            else:
-                return ["gv"]
-        if t == "string":
-            return ["gs"]
-        if t == "number":
-            return ["gn"]
-        if t == "integer":
-            return ["gi"]
-        if t == "boolean":
-            return ['("true" | "false")']
-        if t == "null":
-            return ['"null"']
-        if t == "array":
-            return [self._array(s, depth)]
-        if t == "object":
-            return [self.object(s, depth)]
-        raise self.err(f"unsupported type {t!r}")
-
-    def _ref(self, ref: Any, depth: int) -> str:
-        if ref in self.refs:
-            return self.refs[ref]
-        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-            raise self.err(f"unsupported $ref {ref!r} (only local ones)")
-        node: Any = self.root
-        for part in (ref[2:].split("/") if ref != "#" else ()):
-            if not isinstance(node, dict) or part not in node:
-                raise self.err(f"unresolved $ref {ref!r}")
-            node = node[part]
-        self.n += 1
-        name = f"t{self._tid}-{self.n}"
-        self.refs[ref] = name
-        self.rules.append(f"{name} ::= {self.value(node, depth + 1)}")
-        return name
-
-    def _array(self, s: dict, depth: int) -> str:
-        item = self.value(s.get("items", True), depth + 1)
-        lo, hi = int(s.get("minItems", 0)), s.get("maxItems")
-        hi = None if hi is None or int(hi) > _MAX_REPEAT else int(hi)
-        if lo > _MAX_REPEAT:
-            raise self.err(f"minItems above {_MAX_REPEAT}")
-        if hi is not None and hi < lo:
-            raise self.err("maxItems < minItems")
-        if hi == 0:
-            return '"[" space "]"'
-        more = f'("," space {item})' + (f"{{{max(lo - 1, 0)},}}" if hi is None else f"{{{max(lo - 1, 0)},{hi - 1}}}")
-        if lo > 0:
-            return self._new(f'"[" space {item} {more} space "]"')
-        return self._new(f'"[" space ("]" | {item} {more} space "]")')
-
-    def object(self, s: dict, depth: int) -> str:
-        props = s.get("properties")
-        if props is None:
-            return "gd"
-        if not isinstance(props, dict):
-            raise self.err("'properties' is not an object")
-        req = set(s.get("required") or ())
-        keys = sorted(props, key=lambda k: (k.lower(), k))   # the template's dictsort
-        kvs = [(self._new(f'{_lit(_key(k, f"tool {self.tool!r}") + ":")} space {self.value(props[k], depth + 1)}'),
-                k in req) for k in keys]
-        # seq(i, first, need): the members from i on (a rule, "" for none, None: impossible); first: none
-        # written yet (no comma); need: at least one
-        memo: Dict[Tuple[int, bool, bool], Optional[str]] = {}
-
-        def seq(i: int, first: bool, need: bool) -> Optional[str]:
-            if i == len(kvs):
-                return None if need else ""
-            key = (i, first, need)
-            if key not in memo:
-                kv, required = kvs[i]
-                this = " ".join(x for x in ("" if first else '"," space', kv, seq(i + 1, False, False)) if x)
-                skip = None if required else seq(i + 1, first, need)
-                body = this if skip is None else (f"({this})?" if skip == "" else f"({this}) | {skip}")
-                memo[key] = self._new(body)
-            return memo[key]
-
-        inner = seq(0, True, True)
-        if inner is None:
-            return '"{" space "}"'
-        if any(r for _, r in kvs):
-            return self._new(f'"{{" space {inner} space "}}"')
-        return self._new(f'"{{" space ("}}" | {inner} space "}}")')
+    def order(self, props: dict) -> List[str]:
+        return sorted(props, key=lambda k: (k.lower(), k))   # the template's dictsort
 
 
 def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
             think: bool = True) -> Optional[ToolGrammar]:
     """:func:`.tool_grammar.tool_grammar`'s contract, for Gemma 4's calls (module doc)."""
-    if choice == "none" or not tools:
+    if (pick := calls_of(tools, choice, parallel)) is None:
         return None
-    named = choice.get("name") if isinstance(choice, dict) else None
-    use = [t for t in tools if t["function"]["name"] == named] if named else list(tools)
+    use, many = pick
     rules, alts = list(_GENERIC), []
     for i, t in enumerate(use):
         name = t["function"]["name"]
         if any(c in name for c in "{}<>:") or name != name.strip():
             raise ToolSchemaError(f"tool {name!r}: the name cannot be written in a Gemma 4 call")
-        params = t["function"].get("parameters")
-        if params is None or params == {}:    # llama.cpp's common_chat_tool_parameters
-            params = {"type": "object", "properties": {}}
-        gen = _Gen(name, params, i)
-        if not isinstance(params, dict) or params.get("type", "object") != "object":
-            raise gen.err("its parameters schema must be an object")
-        try:
+        gen = _Gen.for_tool(t, i)
+        params = gen.root
+        with gen.guarded():
             body = gen.value(params) if ("$ref" in params or "anyOf" in params or "oneOf" in params) \
                 else gen.object(params, 0)
-        except RecursionError:
-            raise gen.err("its parameters schema nests too deeply") from None
-        except ToolSchemaError:
-            raise
-        except (TypeError, ValueError, AttributeError) as e:   # a schema's odd values (jsonschema let it by)
-            raise gen.err(f"unsupported parameters schema: {e}") from None
         rules += gen.rules
-        rules.append(f"call-{i} ::= {_lit(name)} {body}")
+        rules.append(f"call-{i} ::= {lit(name)} {body}")
         alts.append(f"call-{i}")
     rules.append("call ::= " + " | ".join(alts))
-    rules.append(f"one-call ::= {_lit(_PREFIX)} call {_lit(CALL_CLOSE)}")
-    rules.append("calls ::= one-call" + (" one-call*" if parallel and not named else ""))
-    if choice == "auto":
-        rules.append("root ::= calls")
-        return ToolGrammar("\n".join(rules) + "\n", True, (CALL_OPEN,), False)
+    rules.append(f"one-call ::= {lit(_PREFIX)} call {lit(CALL_CLOSE)}")
+    rules.append("calls ::= one-call" + (" one-call*" if many else ""))
     # a thought may come first, as in llama-server's grammar (also after a prompt that closed one)
-    rules.append(f"root ::= ({_lit(THOUGHT)} space think-0)? calls")
-    rules.extend(until_rules("think", CH_CLOSE))
-    return ToolGrammar("\n".join(rules) + "\n", False)
+    thought = [f"root ::= ({lit(THOUGHT)} space think-0)? calls"] + until_rules("think", CH_CLOSE)
+    return with_root(rules, choice, (CALL_OPEN,), thought)
 
 
 # ---- the parser ---------------------------------------------------------------------------------------
-class _Cut(Exception):
-    """The text ends inside the value (what was converted so far stands, as llama.cpp's lenient parse)."""
-
-
-class _Bad(Exception):
-    """Not Gemma's syntax here."""
-
-
-def _ws(s: str, i: int) -> int:
-    while i < len(s) and s[i] in _SPACE:
-        i += 1
-    return i
-
-
-def _esc(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)[1:-1]
-
-
 class _ToJson:
     """One call's arguments (a Gemma dict) -> JSON text in ``out`` (llama.cpp's gemma4_to_json)."""
 
@@ -336,7 +178,7 @@ class _ToJson:
     def seq(self, i: int, open_: str, close: str, keyed: bool) -> int:
         s = self.s
         self.out.append(open_)
-        i = self._more(_ws(s, i + 1))
+        i = self._more(_skip_ws(s, i + 1, _SPACE))
         if s[i] == close:
             self.out.append(close)
             return i + 1
@@ -353,13 +195,13 @@ class _ToJson:
                 if s[j] != ":":
                     raise _Bad
                 self.out.append('":')
-                i = _ws(s, j + 1)
+                i = _skip_ws(s, j + 1, _SPACE)
             i = self._more(self.value(i))
             if s[i] == ",":
                 self.out.append(",")
-                i = _ws(s, i + 1)
+                i = _skip_ws(s, i + 1, _SPACE)
                 continue
-            i = self._more(_ws(s, i))
+            i = self._more(_skip_ws(s, i, _SPACE))
             if s[i] != close:
                 raise _Bad
             self.out.append(close)
@@ -422,7 +264,7 @@ def parse(text: str, fmt: ToolFormat, names=None, *, partial: bool = False, lstr
                 return Reply("".join(content), "".join(reasoning))   # maybe a thought to come
             if not s.startswith(THOUGHT, j):
                 break
-            k = _ws(s, j + len(THOUGHT))
+            k = _skip_ws(s, j + len(THOUGHT), _SPACE)
             e = s.find(CH_CLOSE, k)
             if e < 0:   # llama.cpp's lenient parse: the thought so far
                 reasoning.append(_held_back(s[k:], CH_CLOSE) if partial else s[k:])

@@ -54,10 +54,24 @@ class Reply:
     calls: List[ToolCall] = field(default_factory=list)
 
 
-def _skip_ws(s: str, i: int) -> int:
-    while i < len(s) and s[i] in _WS:
+def _skip_ws(s: str, i: int, space: str = _WS) -> int:
+    while i < len(s) and s[i] in space:
         i += 1
     return i
+
+
+def _esc(s: str) -> str:
+    """``s`` JSON-escaped (a JSON string's inside)."""
+    return json.dumps(s, ensure_ascii=False)[1:-1]
+
+
+class _Cut(Exception):
+    """(The codecs' readers) the text ends inside what is being read: what was built so far stands,
+    as llama.cpp's lenient parse."""
+
+
+class _Bad(Exception):
+    """(The codecs' readers) not the syntax expected here."""
 
 
 class _Incomplete(Exception):

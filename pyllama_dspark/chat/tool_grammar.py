@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from llama_cpp.llama_grammar import SchemaConverter
 
 from pyllama_dspark.chat.formats import ToolFormat
 
-__all__ = ["ToolGrammar", "ToolSchemaError", "tool_grammar", "until_rules"]
+__all__ = ["ToolGrammar", "ToolSchemaError", "tool_grammar", "until_rules", "lit", "calls_of", "think_root",
+           "with_root"]
 
 
 class ToolSchemaError(ValueError):
@@ -45,7 +46,8 @@ class ToolGrammar:
     at_start: bool = False          # ... only at the start of the reply
 
 
-def _lit(s: str) -> str:
+def lit(s: str) -> str:
+    """``s`` as a GBNF string literal."""
     return json.dumps(s, ensure_ascii=False)
 
 
@@ -77,10 +79,36 @@ def until_rules(name: str, stop: str) -> List[str]:
         alts = []
         for c in chars:
             t = step(s, c)
-            alts.append(_lit(c) if t == n else f"{_lit(c)} {name}-{t}")
+            alts.append(lit(c) if t == n else f"{lit(c)} {name}-{t}")
         alts.append(f"{other} {name}-0")
         rules.append(f"{name}-{s} ::= " + " | ".join(alts))
     return rules
+
+
+def calls_of(tools: Sequence[dict], choice: Any, parallel: bool) -> Optional[Tuple[List[dict], bool]]:
+    """The tools a request's calls may name (the one ``choice`` names, else all) and whether several
+    calls may come (``parallel`` and no named tool); None: no grammar (``"none"``, or no tools)."""
+    if choice == "none" or not tools:
+        return None
+    named = choice.get("name") if isinstance(choice, dict) else None
+    use = [t for t in tools if t["function"]["name"] == named] if named else list(tools)
+    return use, bool(parallel and not named)
+
+
+def think_root(open_: str, close: str) -> List[str]:
+    """The root of calls that may come after a reasoning block ``open_`` ... ``close`` (then up to
+    two newlines), and its rules."""
+    return [f'root ::= ({lit(open_)} think-0 [\\n]{{0,2}})? calls'] + until_rules("think", close)
+
+
+def with_root(rules: List[str], choice: Any, words: Sequence[str], think: Optional[List[str]] = None,
+              at_start: bool = False) -> ToolGrammar:
+    """The grammar of the calls' ``rules`` (a ``calls`` rule among them): for ``choice`` "auto" a lazy
+    one that starts at one of ``words`` (``at_start``: only at the start of the reply); otherwise the
+    calls, after what ``think`` says where given (rules with their own root: :func:`think_root`)."""
+    if choice == "auto":
+        return ToolGrammar("\n".join(rules + ["root ::= calls"]) + "\n", True, tuple(words), at_start)
+    return ToolGrammar("\n".join(rules + (think or ["root ::= calls"])) + "\n", False)
 
 
 def _call_schema(fmt: ToolFormat, tool: dict) -> dict:
@@ -105,10 +133,9 @@ def tool_grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: 
     ``{"name": ...}`` dict), None for "none"; ``think``: a reasoning block may open the reply (not
     when the prompt already closed one, as Qwen3's ``enable_thinking: false`` does);
     :class:`ToolSchemaError` for a schema the converter cannot do (the message names the tool)."""
-    if choice == "none" or not tools:
+    if (pick := calls_of(tools, choice, parallel)) is None:
         return None
-    named = choice.get("name") if isinstance(choice, dict) else None
-    use = [t for t in tools if t["function"]["name"] == named] if named else list(tools)
+    use, many = pick
     conv = SchemaConverter(prop_order={"name": 0, fmt.args_key: 1, (fmt.id_key or "id"): 2}, allow_fetch=False,
                            dotall=False, raw_pattern=False)
     names = []
@@ -121,28 +148,18 @@ def tool_grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: 
         except Exception as e:   # the converter asserts / raises on what it does not support
             raise ToolSchemaError(f"tool {t['function']['name']!r}: unsupported parameters schema: "
                                   f"{type(e).__name__}: {e}") from None
-    many = parallel and not named
     rules = [conv.format_grammar().strip()]
     rules.append("call ::= " + " | ".join(names))
     if fmt.array:
         items = '"[" space call ("," space call)* "]" space' if many else '"[" space call "]" space'
-        rules.append(f"calls ::= {_lit(fmt.section_open)} {items}")
+        rules.append(f"calls ::= {lit(fmt.section_open)} {items}")
     else:
-        one = " ".join(x for x in (_lit(fmt.call_open) if fmt.call_open else "", "call",
-                                   _lit(fmt.call_close) if fmt.call_close else "") if x)
+        one = " ".join(x for x in (lit(fmt.call_open) if fmt.call_open else "", "call",
+                                   lit(fmt.call_close) if fmt.call_close else "") if x)
         rules.append(f"one-call ::= {one}")
-        sep = _lit(fmt.call_sep) + " " if fmt.call_sep else ""
+        sep = lit(fmt.call_sep) + " " if fmt.call_sep else ""
         rules.append("calls ::= one-call" + (f" ({sep}one-call)*" if many else ""))
-    lazy = choice == "auto"
-    if lazy:
-        if not fmt.trigger:
-            return None
-        rules.append("root ::= calls")
-        return ToolGrammar("\n".join(rules) + "\n", True, (fmt.trigger,), fmt.trigger_at_start)
-    if fmt.think and think:
-        open_, close = fmt.think
-        rules.append(f'root ::= ({_lit(open_)} think-0 [\\n]{{0,2}})? calls')
-        rules.extend(until_rules("think", close))
-    else:
-        rules.append("root ::= calls")
-    return ToolGrammar("\n".join(rules) + "\n", False)
+    if choice == "auto" and not fmt.trigger:
+        return None
+    return with_root(rules, choice, (fmt.trigger,), think_root(*fmt.think) if fmt.think and think else None,
+                     fmt.trigger_at_start)

@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from pyllama_dspark.chat.formats import ToolFormat
-from pyllama_dspark.chat.parse import Reply, ToolCall, _held_back
+from pyllama_dspark.chat.parse import Reply, ToolCall, _Bad, _Cut, _esc, _held_back, _skip_ws
 from pyllama_dspark.chat.xml_grammar import ALL, ARG_CLOSE, CALL_CLOSE, CALL_OPEN, grammar, params_of, value_types
 
 __all__ = ["grammar", "parse", "WANTS_TOOLS", "CALL_OPEN", "CALL_CLOSE", "STEPFUN", "trim_messages"]
@@ -48,24 +48,6 @@ FUNC, FUNC_CLOSE, PARAM = "<function=", "</function>\n", "<parameter="
 _CONSTANT = json.JSONDecoder(parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
 
 Params = Optional[List[Tuple[str, FrozenSet[str], bool]]]    # None: any parameter, any type
-
-
-class _End(Exception):
-    """The text ends inside the call (what was built so far stands, as llama-server's lenient parse)."""
-
-
-class _Fail(Exception):
-    """Not a call here."""
-
-
-def _ws(s: str, i: int) -> int:
-    while i < len(s) and s[i] in _SPACE:
-        i += 1
-    return i
-
-
-def _esc(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)[1:-1]
 
 
 def _schemas(names, tools) -> Optional[Dict[str, Params]]:
@@ -120,30 +102,30 @@ class _Call:
         while True:
             if s.startswith(FUNC_CLOSE, p):
                 if req - seen:
-                    raise _Fail
+                    raise _Bad
                 return p + len(FUNC_CLOSE)
             if not s.startswith(PARAM, p):
                 if _prefix_at_end(s, p, FUNC_CLOSE, PARAM):
-                    raise _End
-                raise _Fail
+                    raise _Cut
+                raise _Bad
             q = p + len(PARAM)
             e = s.find(">", q)
             if e < 0:
-                raise _End
+                raise _Cut
             key = s[q:e]
             if params is None:
                 types = ALL
             else:
                 if key not in by_name:
-                    raise _Fail
+                    raise _Bad
                 types, required = by_name[key]
                 if required and key in seen or (not required and req - seen):
-                    raise _Fail        # required ones first, once each
+                    raise _Bad        # required ones first, once each
                 seen.add(key)
             if not s.startswith(">\n", e):
                 if e + 1 == len(s):
-                    raise _End
-                raise _Fail
+                    raise _Cut
+                raise _Bad
             self.out.append(("," if n else "") + json.dumps(key, ensure_ascii=False) + ":")
             n += 1
             p = self.value(e + 2, types)
@@ -155,28 +137,28 @@ class _Call:
                 v, e = _json_at(s, p)
             except ValueError:
                 if s.find(ARG_CLOSE, p) < 0:
-                    raise _End from None   # the text ends inside the value (or it is no value: the close decides)
-                raise _Fail from None
+                    raise _Cut from None   # the text ends inside the value (or it is no value: the close decides)
+                raise _Bad from None
             if e == len(s) and isinstance(v, (int, float)) and not isinstance(v, bool):
                 if not self.partial:   # the number may go on: shown once the text is final
                     self.out.append(s[p:e])
-                raise _End
+                raise _Cut
             if not s.startswith(ARG_CLOSE, e):
                 if _prefix_at_end(s, e, ARG_CLOSE):
                     self.out.append(s[p:e])
-                    raise _End
-                raise _Fail
+                    raise _Cut
+                raise _Bad
             self.out.append(s[p:e])
             return e + len(ARG_CLOSE)
         e = s.find(ARG_CLOSE, p)
         if types == frozenset(("string",)):
             if e < 0:
                 self.out.append('"' + _esc(_held_back(s[p:], ARG_CLOSE)))
-                raise _End
+                raise _Cut
             self.out.append('"' + _esc(s[p:e]) + '"')
             return e + len(ARG_CLOSE)
         if e < 0:
-            raise _End                  # JSON or text: known at the close
+            raise _Cut                  # JSON or text: known at the close
         raw = s[p:e]
         try:
             v, end = _json_at(raw, 0)
@@ -203,17 +185,17 @@ def _one(s: str, p: int, schemas: Optional[Dict[str, Params]], partial: bool) ->
     try:
         if not s.startswith(">\n", e):
             if e + 1 == len(s):
-                raise _End
-            raise _Fail
+                raise _Cut
+            raise _Bad
         end = c.args(e + 2)
         c.out.append("}")              # llama-server closes the arguments at </function>
         if not s.startswith(CALL_CLOSE, end):
             if _prefix_at_end(s, end, CALL_CLOSE):
-                raise _End
-            raise _Fail
-    except _End:
+                raise _Cut
+            raise _Bad
+    except _Cut:
         return ToolCall(name, "".join(c.out), complete=False), len(s)
-    except _Fail:
+    except _Bad:
         return None, p
     return ToolCall(name, "".join(c.out)), end + len(CALL_CLOSE)
 
@@ -232,7 +214,7 @@ def _calls(s: str, k: int, coder: bool, schemas, partial: bool) -> List[ToolCall
         out.append(call)
         if not call.complete:
             break
-        p = _ws(s, end)
+        p = _skip_ws(s, end)
     return out
 
 
@@ -241,7 +223,7 @@ def _split_reasoning(s: str, fmt: ToolFormat, partial: bool, opened: bool) -> Tu
     if fmt.think is None or not opened:
         return "", 0
     close = fmt.think[1]
-    j = _ws(s, 0)
+    j = _skip_ws(s, 0)
     ends = [(k, m) for k, m in ((s.find(close, j), close), (s.find(CALL_OPEN, j), CALL_OPEN)) if k >= 0]
     if not ends:
         r = s[j:]
@@ -261,7 +243,7 @@ def parse(text: str, fmt: ToolFormat, names=None, *, partial: bool = False, lstr
     reasoning, i = _split_reasoning(s, fmt, partial, lstrip)
     if reasoning.strip(_SPACE) == "":
         reasoning = ""
-    i = _ws(s, i)
+    i = _skip_ws(s, i)
     if not calls:
         return Reply(s[i:], reasoning)
     coder = fmt.think is None

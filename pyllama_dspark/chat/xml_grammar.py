@@ -32,13 +32,12 @@ A schema this cannot write (a name with ``>`` or a newline, a schema the convert
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from llama_cpp.llama_grammar import SchemaConverter
 
 from pyllama_dspark.chat.formats import ToolFormat
-from pyllama_dspark.chat.tool_grammar import ToolGrammar, ToolSchemaError, until_rules
+from pyllama_dspark.chat.tool_grammar import ToolGrammar, ToolSchemaError, calls_of, lit, until_rules, with_root
 
 __all__ = ["grammar", "value_types", "params_of", "MAX_PERMUTED", "CALL_OPEN", "CALL_CLOSE", "ARG_CLOSE"]
 
@@ -46,10 +45,6 @@ CALL_OPEN, CALL_CLOSE, ARG_CLOSE = "<tool_call>", "</tool_call>", "\n</parameter
 MAX_PERMUTED = 8          # required parameters in any order up to this many (2**n grammar rules)
 ALL: FrozenSet[str] = frozenset(("string", "number", "integer", "boolean", "null", "array", "object"))
 _JSON_TYPES = {"string", "number", "integer", "boolean", "null", "array", "object"}
-
-
-def _lit(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)
 
 
 def _json_type(v: Any) -> str:
@@ -143,11 +138,11 @@ def _until_any(name: str, ends: Dict[str, str]) -> List[str]:
         for c in chars:
             w = u + c
             if w in ends:
-                alts.append(f"{_lit(c)} {ends[w]}")
+                alts.append(f"{lit(c)} {ends[w]}")
                 continue
             while w and w not in sid:
                 w = w[1:]
-            alts.append(f"{_lit(c)} {name}-{sid[w]}")
+            alts.append(f"{lit(c)} {name}-{sid[w]}")
         alts.append("[^" + "".join(esc(c) for c in chars) + f"] {name}-0")
         rules.append(f"{name}-{sid[u]} ::= " + " | ".join(alts))
     return rules
@@ -181,10 +176,9 @@ def _args_rule(i: int, args: List[Tuple[str, bool]], rules: List[str]) -> str:
 def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
             think: bool = True) -> Optional[ToolGrammar]:
     """:func:`.tool_grammar.tool_grammar`'s contract, for Qwen3-Coder XML calls (module doc)."""
-    if choice == "none" or not tools:
+    if (pick := calls_of(tools, choice, parallel)) is None:
         return None
-    named = choice.get("name") if isinstance(choice, dict) else None
-    use = [t for t in tools if t["function"]["name"] == named] if named else list(tools)
+    use, many = pick
     coder = fmt.think is None
     conv = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     rules: List[str] = ['xsp ::= | " " | "\\n"{1,2} [ \\t]{0,20}'] + until_rules("xstr", ARG_CLOSE)
@@ -207,8 +201,8 @@ def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
                 if "string" in types:
                     value = "xstr-0"
                 else:
-                    value = conv.visit(schema, f"t{i}-p{j}") + " " + _lit(ARG_CLOSE)
-                rules.append(f"t{i}-a{j} ::= {_lit(f'<parameter={key}>' + chr(10))} {value}")
+                    value = conv.visit(schema, f"t{i}-p{j}") + " " + lit(ARG_CLOSE)
+                rules.append(f"t{i}-a{j} ::= {lit(f'<parameter={key}>' + chr(10))} {value}")
                 args.append((f"t{i}-a{j}", required))
         except ToolSchemaError:
             raise
@@ -217,26 +211,21 @@ def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
         except Exception as e:   # the converter asserts / raises on what it does not support
             raise ToolSchemaError(f"tool {name!r}: unsupported parameters schema: {type(e).__name__}: {e}") from None
         a = _args_rule(i, args, rules)
-        rules.append(f"func-{i} ::= {_lit(f'<function={name}>' + chr(10))} {a} {_lit('</function>' + chr(10))}")
+        rules.append(f"func-{i} ::= {lit(f'<function={name}>' + chr(10))} {a} {lit('</function>' + chr(10))}")
         funcs.append(f"func-{i}")
     # no whitespace after a JSON value (module doc): the converter's trailing ``space`` dropped, the one
     # after "{" "[" ":" "," kept (the templates' tojson writes {"a": [1, 2]})
     rules = [r[:-len(" space")] if r.endswith(" space") and not r.startswith("space ::=") else r
              for r in conv.format_grammar().strip().splitlines() if r] + rules
-    rules.append("call-body ::= (" + " | ".join(funcs) + f") {_lit(CALL_CLOSE)} xsp")
-    rules.append(f"tool-call ::= {_lit(CALL_OPEN + chr(10))} call-body")
-    first = f"({_lit(CALL_OPEN + chr(10))})? call-body" if coder else "tool-call"
+    rules.append("call-body ::= (" + " | ".join(funcs) + f") {lit(CALL_CLOSE)} xsp")
+    rules.append(f"tool-call ::= {lit(CALL_OPEN + chr(10))} call-body")
+    first = f"({lit(CALL_OPEN + chr(10))})? call-body" if coder else "tool-call"
     rules.append(f"first-call ::= {first}")
-    rules.append("calls ::= first-call" + (" tool-call*" if parallel and not named else ""))
-    if choice == "auto":
-        rules.append("root ::= calls")
-        words = (CALL_OPEN,) + (tuple(f"<function={t['function']['name']}>" for t in use) if coder else ())
-        return ToolGrammar("\n".join(rules) + "\n", True, words, False)
+    rules.append("calls ::= first-call" + (" tool-call*" if many else ""))
+    words = (CALL_OPEN,) + (tuple(f"<function={t['function']['name']}>" for t in use) if coder else ())
+    thought = None
     if fmt.think and think:      # the prompt opened a reasoning block: it ends at </think> or <tool_call>
-        rules.append("root ::= xthink-0 | calls")
-        rules.append(f"calls-rest ::= {_lit(chr(10))} call-body" + (" tool-call*" if parallel and not named else ""))
-        rules.extend(_until_any("xthink", {fmt.think[1]: "xsp calls", CALL_OPEN: "calls-rest"}))
-    else:
-        rules.append("root ::= calls")
-    return ToolGrammar("\n".join(rules) + "\n", False)
-
+        thought = ["root ::= xthink-0 | calls",
+                   f"calls-rest ::= {lit(chr(10))} call-body" + (" tool-call*" if many else "")]
+        thought += _until_any("xthink", {fmt.think[1]: "xsp calls", CALL_OPEN: "calls-rest"})
+    return with_root(rules, choice, words, thought)
