@@ -52,6 +52,8 @@ EXPECTED = {
     "Qwen3-Coder.jinja": "xml", "Qwen3.5-4B.jinja": "xml", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja": "xml",
     "StepFun3.5-Flash.jinja": "xml",
     "moonshotai-Kimi-K2.jinja": "Kimi", "GLM-4.6.jinja": "GLM",
+    "deepseek-ai-DeepSeek-V3.2.jinja": "dsml", "deepseek-ai-DeepSeek-V4.jinja": "dsml4",
+    "deepseek-ai-DeepSeek-V4-Flash-0731.jinja": "dsml4",
 }
 
 

@@ -71,6 +71,14 @@ TARGETS: Dict[str, ToolTarget] = {t.name: t for t in (
                ("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>",
                 "<|tool_call_start|>", "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>",
                 ("<think>", "user"), ("</think>", "user")), "<|startoftext|>", "<|im_end|>", "<|tool_call_start|>"),
+    # DeepSeek V3.2 / V4 DSML calls: the turn markers control tokens, ｜DSML｜ <think> </think>
+    # user-defined (DeepSeek's vocabulary; llama.cpp preserves ｜DSML｜, <think>, </think>)
+    ToolTarget("dsv32", "qwen3", "deepseek-ai-DeepSeek-V3.2.jinja",
+               ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", ("<think>", "user"),
+                ("</think>", "user"), ("｜DSML｜", "user")), "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜DSML｜function_calls>"),
+    ToolTarget("dsv4", "qwen3", "deepseek-ai-DeepSeek-V4.jinja",
+               ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", ("<think>", "user"),
+                ("</think>", "user"), ("｜DSML｜", "user")), "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜DSML｜tool_calls>"),
 )}
 
 

@@ -26,7 +26,10 @@ Formats built here (:data:`FORMATS`):
   where the template has one;
 * ``lfm2`` / ``lfm25``: LFM2 / LFM2.5, ``<|tool_call_start|>[NAME(key="value", n=1)]<|tool_call_end|>``
   (:mod:`.lfm2`), Python-style calls, several in one list, a ``<think>`` block as reasoning where the
-  template has one.
+  template has one;
+* ``dsml`` / ``dsml4``: DeepSeek V3.2 / V4, ``<｜DSML｜function_calls>`` (V4 ``tool_calls``) around
+  ``<｜DSML｜invoke name="NAME">`` and ``<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>``
+  (:mod:`.dsml`), a ``<think>`` block as reasoning.
 
 Every other template that renders tools is refused with :class:`UnsupportedToolFormat`, whose
 message names the format (never a silent fallback to plain text).
@@ -118,12 +121,22 @@ _LFM25 = ToolFormat(**{**_LFM2.__dict__, "name": "lfm25", "label": "LFM2.5 <|too
 FORMATS.update({_LFM2.name: _LFM2, _LFM25.name: _LFM25})
 SUPPORTED = SUPPORTED.replace(", and templates", ", LFM2 / LFM2.5 Python-style calls, and templates")
 
+# DeepSeek V3.2 / V4 DSML: <｜DSML｜function_calls> (V4: tool_calls) around <｜DSML｜invoke name="NAME"> and
+# <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter> (:mod:`.dsml`); <think> reasoning
+_DSML = ToolFormat("dsml", "DeepSeek V3.2 DSML <｜DSML｜function_calls>", "<｜DSML｜function_calls>",
+                   "</｜DSML｜function_calls>", "", "arguments", trigger="<｜DSML｜function_calls>",
+                   think=("<think>", "</think>"), codec="dsml")
+_DSML4 = ToolFormat(**{**_DSML.__dict__, "name": "dsml4", "label": "DeepSeek V4 DSML <｜DSML｜tool_calls>",
+                       "call_open": "<｜DSML｜tool_calls>", "call_close": "</｜DSML｜tool_calls>",
+                       "trigger": "<｜DSML｜tool_calls>", "codec": "dsml_v4"})
+FORMATS.update({_DSML.name: _DSML, _DSML4.name: _DSML4})
+SUPPORTED = SUPPORTED.replace(", and templates", ", DeepSeek V3.2 / V4 DSML, and templates")
+
 # markers of formats llama.cpp handles that we do not build (source markers, as chat.cpp's
 # common_chat_try_specialized_template looks for them): (needles that must all be present, name)
 _UNSUPPORTED: List[Tuple[Tuple[str, ...], str]] = [
     (("[TOOL_CALLS]", "[ARGS]"), "Mistral [TOOL_CALLS]name[ARGS] (Magistral / Devstral / Mistral Small 3.2)"),
     (("<|tool_calls_section_begin|>",), "Kimi K2"),
-    (("dsml_token",), "DeepSeek V3.2 / V4 DSML"),
     ((">>>all",), "Functionary v3.2"),
     (("<arg_key>",), "GLM / Ling tagged arguments"),
     (("<|START_ACTION|>",), "Command R / Cohere"),
@@ -238,6 +251,8 @@ def detect_format(source: str, caps: TemplateCaps) -> ToolFormat:
     if lfm2 or ("List of tools: [" in source and "<|tool_list_start|>" not in source):
         fmt = _LFM2 if lfm2 else _LFM25
         return ToolFormat(**{**fmt.__dict__, "think": ("<think>", "</think>")}) if "<think>" in source else fmt
+    if "dsml_token" in source and "DSML" in source and ("function_calls" in source or "tool_calls" in source):
+        return _DSML if "function_calls" in source else _DSML4     # chat.cpp's tests (V4: no function_calls)
     for needles, name in _UNSUPPORTED:
         if all(n in source for n in needles):
             raise UnsupportedToolFormat(f"this model's chat template uses the {name} tool-call format, which "

@@ -31,7 +31,6 @@ __all__ = ["grammar", "parse", "adjust_messages", "WANTS_TOOLS", "CALL_START", "
 WANTS_TOOLS = True        # :func:`.tool_codecs.parser` binds the request's tools (argument names and types)
 
 _WORD = set(string.ascii_letters + string.digits + "_")
-_CSPACE = " \t\n\r\v\f"      # C isspace
 
 
 def adjust_messages(msgs: List[dict]) -> List[dict]:
@@ -40,101 +39,11 @@ def adjust_messages(msgs: List[dict]) -> List[dict]:
             for m in msgs]
 
 
-# ---- a PEG evaluator with llama.cpp's lenient semantics (common/peg-parser.cpp) -----------------------
-OK, FAIL, MORE = 0, 1, 2
+# the PEG evaluator: :mod:`.peg`
+from pyllama_dspark.chat.peg import (CSPACE as _CSPACE, FAIL, MORE, OK, Parser, Result, alt as _alt, chars as _chars,  # noqa: E402
+                                     end as _end, eps as _eps, lit as _lit, not_ as _not, rep as _rep,
+                                     seq as _seq, space as _space)
 Node = Tuple[str, int, int, bool, list]       # (tag, start, end, ended early, children)
-Result = Tuple[int, int, list]                 # (status, end, nodes)
-Parser = Callable[[str, int], Result]
-
-
-def _lit(t: str) -> Parser:
-    def p(s: str, i: int) -> Result:
-        for k, c in enumerate(t):
-            if i + k >= len(s):
-                return MORE, i + k, []
-            if s[i + k] != c:
-                return FAIL, i, []
-        return OK, i + len(t), []
-    return p
-
-
-def _seq(*ps: Parser) -> Parser:
-    def p(s: str, i: int) -> Result:
-        nodes: list = []
-        for q in ps:
-            st, i, n = q(s, i)
-            if st == FAIL:
-                return FAIL, i, []
-            nodes += n
-            if st == MORE:
-                return MORE, i, nodes
-        return OK, i, nodes
-    return p
-
-
-def _alt(*ps: Parser) -> Parser:
-    def p(s: str, i: int) -> Result:
-        for q in ps:
-            r = q(s, i)
-            if r[0] != FAIL:
-                return r
-        return FAIL, i, []
-    return p
-
-
-def _rep(q: Parser, lo: int = 0, hi: int = -1) -> Parser:
-    def p(s: str, i: int) -> Result:
-        nodes: list = []
-        count = 0
-        while hi == -1 or count < hi:
-            if i >= len(s):
-                break
-            st, e, n = q(s, i)
-            if st == OK:
-                if e == i:
-                    break
-                nodes += n
-                i, count = e, count + 1
-                continue
-            if st == MORE:
-                return MORE, e, nodes + n
-            break
-        if count < lo:
-            return (MORE, i, nodes) if i >= len(s) else (FAIL, i, [])
-        return OK, i, nodes
-    return p
-
-
-def _chars(ok: Callable[[str], bool], lo: int = 1, hi: int = -1) -> Parser:
-    def p(s: str, i: int) -> Result:
-        count = 0
-        while (hi == -1 or count < hi) and i < len(s) and ok(s[i]):
-            i, count = i + 1, count + 1
-        if count < lo:
-            return (MORE, i, []) if i >= len(s) else (FAIL, i, [])
-        return OK, i, []
-    return p
-
-
-def _not(q: Parser) -> Parser:
-    def p(s: str, i: int) -> Result:
-        st = q(s, i)[0]
-        return (FAIL if st == OK else MORE if st == MORE else OK), i, []
-    return p
-
-
-def _space(s: str, i: int) -> Result:
-    while i < len(s) and s[i] in _CSPACE:
-        i += 1
-    return OK, i, []
-
-
-def _eps(s: str, i: int) -> Result:
-    return OK, i, []
-
-
-def _end(s: str, i: int) -> Result:
-    return (OK if i >= len(s) else FAIL), i, []
 
 
 def _until(stop: str) -> Parser:

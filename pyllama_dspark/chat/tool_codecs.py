@@ -25,6 +25,7 @@ import functools
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from pyllama_dspark.chat import dsml
 from pyllama_dspark.chat import gemma4
 from pyllama_dspark.chat import harmony
 from pyllama_dspark.chat import lfm2
@@ -40,6 +41,8 @@ CODECS["harmony"] = harmony        # GPT-OSS
 CODECS["lfm2"] = lfm2              # LFM2 / LFM2.5 Python-style calls
 CODECS["xml_calls"] = xml_calls    # Qwen3-Coder XML (Qwen3.5, Qwen3-Coder, Nemotron 3)
 CODECS["xml_calls_stepfun"] = xml_calls.STEPFUN    # ... StepFun 3.5 (its conversation trimmed)
+CODECS["dsml"] = dsml             # DeepSeek V3.2 DSML
+CODECS["dsml_v4"] = dsml.V4        # ... V4 (its block named tool_calls, tool results in call order)
 
 
 def _codec(fmt: Optional[ToolFormat]) -> Optional[ModuleType]:

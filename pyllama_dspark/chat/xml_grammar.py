@@ -39,7 +39,7 @@ from llama_cpp.llama_grammar import SchemaConverter
 from pyllama_dspark.chat.formats import ToolFormat
 from pyllama_dspark.chat.tool_grammar import ToolGrammar, ToolSchemaError, calls_of, lit, until_rules, with_root
 
-__all__ = ["grammar", "value_types", "params_of", "MAX_PERMUTED", "CALL_OPEN", "CALL_CLOSE", "ARG_CLOSE"]
+__all__ = ["grammar", "until_any", "value_types", "params_of", "MAX_PERMUTED", "CALL_OPEN", "CALL_CLOSE", "ARG_CLOSE"]
 
 CALL_OPEN, CALL_CLOSE, ARG_CLOSE = "<tool_call>", "</tool_call>", "\n</parameter>\n"
 MAX_PERMUTED = 8          # required parameters in any order up to this many (2**n grammar rules)
@@ -122,7 +122,7 @@ def _check_name(tool: str, name: str, what: str) -> None:
         raise ToolSchemaError(f"tool {tool!r}: the {what} {name!r} cannot be written in a Qwen3-Coder XML call")
 
 
-def _until_any(name: str, ends: Dict[str, str]) -> List[str]:
+def until_any(name: str, ends: Dict[str, str]) -> List[str]:
     """Rules ``name-0`` ...: any text up to the first of the ``ends`` (text -> what follows it), then
     what follows it (an automaton over the ends' prefixes, as :func:`.tool_grammar.until_rules`)."""
     states = sorted({w[:k] for w in ends for k in range(len(w))}, key=lambda x: (len(x), x))
@@ -227,5 +227,5 @@ def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
     if fmt.think and think:      # the prompt opened a reasoning block: it ends at </think> or <tool_call>
         thought = ["root ::= xthink-0 | calls",
                    f"calls-rest ::= {lit(chr(10))} call-body" + (" tool-call*" if many else "")]
-        thought += _until_any("xthink", {fmt.think[1]: "xsp calls", CALL_OPEN: "calls-rest"})
+        thought += until_any("xthink", {fmt.think[1]: "xsp calls", CALL_OPEN: "calls-rest"})
     return with_root(rules, choice, words, thought)
