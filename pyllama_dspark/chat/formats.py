@@ -141,6 +141,7 @@ _UNSUPPORTED: List[Tuple[Tuple[str, ...], str]] = [
     (("<arg_key>",), "GLM / Ling tagged arguments"),
     (("<|START_ACTION|>",), "Command R / Cohere"),
     (("<atem:function_calls>",), "Muse Glimmer"),
+    (("<｜tool▁calls▁begin｜>",), "DeepSeek V3.1 / R1 <｜tool▁calls▁begin｜>"),
 ]
 
 _PROBE_TOOLS = [{"type": "function", "function": {
