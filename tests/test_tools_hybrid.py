@@ -17,9 +17,7 @@ from greedy_ref import TEST_THREADS
 from test_tools_server import _cpp_grammar_fields
 from tool_targets import USER, WEATHER, post as _post, strip_ids as _strip_ids
 from pyllama_dspark.chat import xml_calls
-from pyllama_dspark.chat.parse import ReplyText, message_json
-from pyllama_dspark.chat.tool_prompt import tool_chat_for
-from pyllama_dspark.chat.tool_request import check_tool_choice, check_tools, plan_tools
+from pyllama_dspark.chat.parse import ReplyText
 from pyllama_dspark.decode.api import Speculator
 from pyllama_dspark.gguf.testing import make_test_draft
 
@@ -58,10 +56,7 @@ def cpp(files, tmp_path_factory):
     srv.stop()
 
 
-def _tok(target, text: str) -> int:
-    ids = target.tokenize(text, False, True)
-    assert len(ids) == 1, (text, ids)
-    return ids[0]
+_tok = tt.token_of
 
 
 def test_an_xml_call_under_speculation_is_llama_cpps(files, cpp):
@@ -71,11 +66,10 @@ def test_an_xml_call_under_speculation_is_llama_cpps(files, cpp):
         target = sp.target
         assert target.recurrent, "the hybrid target's memory is not recurrent"
         assert "Using specialized template: Qwen3-Coder" in cpp.log.read_text()
-        tools = check_tools([LOG])   # "required": the grammar starts the call, no bias (the draft's rows
-                                     # would get it too and propose what the target then takes)
-        plan = plan_tools(tool_chat_for(target), USER, tools, check_tool_choice("required", tools), False, OFF)
+        # "required": the grammar starts the call, no bias (the draft's rows would get it too and
+        # propose what the target then takes)
+        plan, toks = tt.planned(target, "required", [LOG], kw=OFF)
         assert plan.fmt.name == "xml", plan.fmt
-        toks = target.tokenize(plan.prompt, add_special=not plan.added_special, parse_special=True)
         theirs = cpp.complete(toks, N, **_cpp_grammar_fields(plan, target))
         ours = sp.generate(toks, N, grammar=plan.compile(target))
         alone = plain.generate(toks, N, grammar=plan.compile(plain.target))

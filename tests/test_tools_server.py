@@ -34,7 +34,6 @@ from pyllama_dspark.gguf.testing import make_test_draft
 from pyllama_dspark.chat.tool_prompt import tool_chat_for
 from pyllama_dspark.chat import tool_codecs
 from pyllama_dspark.chat.parse import ReplyDiffer, ReplyText, message_json, parse_reply
-from pyllama_dspark.chat.tool_request import check_tool_choice, check_tools, plan_tools
 
 pytestmark = pytest.mark.slow
 
@@ -218,11 +217,7 @@ def test_parse_of_what_llama_server_generated_is_its_own(servers, targets, kind)
 
 # ---- the same grammar, the same tokens ---------------------------------------------------------------
 def _plan(sp, choice, parallel=False, kw=None, messages=USER, tools=TOOLS):
-    target = sp.target
-    tools = check_tools(tools)
-    plan = plan_tools(tool_chat_for(target), messages, tools, check_tool_choice(choice, tools), parallel, kw)
-    toks = target.tokenize(plan.prompt, add_special=not plan.added_special, parse_special=True)
-    return plan, toks
+    return tt.planned(sp.target, choice, tools, messages, parallel, kw)
 
 
 def _cpp_grammar_fields(plan, target) -> dict:

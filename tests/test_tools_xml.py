@@ -33,7 +33,7 @@ from pyllama_dspark.chat import xml_calls
 from pyllama_dspark.chat.tool_prompt import ToolChat, tool_chat_for
 from pyllama_dspark.chat.tool_grammar import ToolSchemaError
 from pyllama_dspark.chat.parse import ReplyDiffer, ReplyText, message_json
-from pyllama_dspark.chat.tool_request import check_tool_choice, check_tools, plan_tools
+from pyllama_dspark.chat.tool_request import check_tools, plan_tools
 
 pytestmark = pytest.mark.slow
 
@@ -115,10 +115,7 @@ def sp(files):
         yield s
 
 
-def _tok(target, text: str) -> int:
-    ids = target.tokenize(text, False, True)
-    assert len(ids) == 1, (text, ids)
-    return ids[0]
+_tok = tt.token_of
 
 
 # ---- format, grammar and parser in process -----------------------------------------------------------
@@ -351,9 +348,7 @@ def test_parse_of_what_llama_server_generated_is_its_own(servers, sp):
 
 # ---- the same grammar, the same tokens ---------------------------------------------------------------
 def _plan(sp, choice, kw=None, tools=TOOLS, messages=USER, parallel=False):
-    tools = check_tools(tools)
-    plan = plan_tools(tool_chat_for(sp.target), messages, tools, check_tool_choice(choice, tools), parallel, kw)
-    return plan, sp.target.tokenize(plan.prompt, add_special=not plan.added_special, parse_special=True)
+    return tt.planned(sp.target, choice, tools, messages, parallel, kw)
 
 
 CHOICES = [("required", OFF, TOOLS), ("required", None, [LEVEL, NOTE]),

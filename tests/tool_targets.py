@@ -147,6 +147,23 @@ def strip_ids(msg: dict) -> dict:
     return msg
 
 
+def token_of(target, text: str) -> int:
+    """The one token ``text`` is in ``target``'s vocabulary (asserted: a marker that is a special token)."""
+    ids = target.tokenize(text, False, True)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def planned(target, choice, tools, messages=USER, parallel=False, kw=None):
+    """(the tool plan of a chat request, its prompt's tokens) as serve builds them for ``target``."""
+    from pyllama_dspark.chat.tool_prompt import tool_chat_for
+    from pyllama_dspark.chat.tool_request import check_tool_choice, check_tools, plan_tools
+
+    tools = check_tools(tools)
+    plan = plan_tools(tool_chat_for(target), messages, tools, check_tool_choice(choice, tools), parallel, kw)
+    return plan, target.tokenize(plan.prompt, add_special=not plan.added_special, parse_special=True)
+
+
 # ---- what a stream adds up to -------------------------------------------------------------------------
 def merge_deltas(deltas: Iterable[dict], tool_calls: bool = True) -> dict:
     """What chat-completion deltas add up to: ``content`` and ``reasoning_content`` concatenated, and
