@@ -13,14 +13,16 @@ import click
 
 from pyllama_dspark.cli.common import ngl_option, offload_options, draft_arg, draft_file, sampling_from_options, sampling_options
 from pyllama_dspark.cli.sched import make_policy, with_schedule_options
+from pyllama_dspark.decode.prompt_cache import CTX_CHECKPOINTS
 from pyllama_dspark.errors import DSparkError
+from pyllama_dspark.llama.prompt_state import CACHE_RAM_MIB, PromptStore
 
 
 def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int, threads, flash_attn: str,
                n_gpu_layers, n_max: int, verbose: bool = False, slot_similarity: float = 0.1,
-               offload: Optional[dict] = None):
+               offload: Optional[dict] = None, store=None, n_checkpoints: int = CTX_CHECKPOINTS):
     """``-np N -nocb``: N slots with contexts of their own, ``n_ctx / N`` tokens each (llama-server's
-    ``-c`` is the total)."""
+    ``-c`` is the total); ``store``: the RAM prompt cache they share."""
     from pyllama_dspark.decode.api import Speculator
     from pyllama_dspark.serve.slots import SlotPool
 
@@ -37,7 +39,7 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
                 log.warning("warning: %s", w)
         return sp
 
-    return SlotPool(factory, n_slots, slot_similarity=slot_similarity)
+    return SlotPool(factory, n_slots, slot_similarity=slot_similarity, store=store, n_checkpoints=n_checkpoints)
 
 
 @click.command("serve")
@@ -63,9 +65,13 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
               help="Reuse the slot whose cached prompt matches this fraction of a new prompt (0: least recently "
                    "used slot only).")
 @click.option("--metrics", "metrics", is_flag=True, help="Serve Prometheus metrics at /metrics.")
-@click.option("-cram", "--cache-ram", "cache_ram", type=int, default=None,
-              help="Accepted for llama-server command lines; evicted prompts are not kept in host RAM here "
-                   "(each slot keeps its own prompt in its memories: docs/serve.md).")
+@click.option("-cram", "--cache-ram", "cache_ram", type=int, default=CACHE_RAM_MIB, show_default=True,
+              help="Host RAM (MiB) for the prompt states of evicted and idle slots (-1: no limit, 0: off).")
+@click.option("--cache-idle-slots/--no-cache-idle-slots", "cache_idle_slots", default=True, show_default=True,
+              help="Save every idle slot's prompt state to the RAM cache when a request starts (with -kvu "
+                   "the idle slots are then cleared).")
+@click.option("-ctxcp", "--ctx-checkpoints", "ctx_checkpoints", type=int, default=CTX_CHECKPOINTS,
+              show_default=True, help="Context checkpoints per slot on hybrid and recurrent targets (0: none).")
 @click.option("-b", "--batch-size", "n_batch", type=int, default=512, show_default=True)
 @click.option("-ub", "--ubatch-size", "n_ubatch", type=int, default=512, show_default=True)
 @click.option("-t", "--threads", type=int, default=None, help="Threads per slot (default: all cores).")
@@ -78,7 +84,8 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
 @with_schedule_options
 def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_ctx, n_batch, n_ubatch, threads, flash_attn,
-          n_gpu_layers, offload, api_key, alias, kv_unified, slot_similarity, metrics, cache_ram, temp, top_k, top_p, min_p, seed,
+          n_gpu_layers, offload, api_key, alias, kv_unified, slot_similarity, metrics, cache_ram, cache_idle_slots,
+          ctx_checkpoints, temp, top_k, top_p, min_p, seed,
           repeat_penalty, repeat_last_n,
           presence_penalty, frequency_penalty, verbose, schedule, conf_min, p_survival_min, calibration,
           profile_path):
@@ -104,9 +111,12 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
         raise click.BadParameter("must be in 1..65535", param_hint="--port")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log = logging.getLogger("pyllama_dspark.serve.server")
-    if cache_ram not in (None, 0):
-        log.warning("--cache-ram %d: evicted prompts are not kept in host RAM (each slot's memories keep its "
-                    "last prompt; see docs/serve.md)", cache_ram)
+    if ctx_checkpoints < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--ctx-checkpoints")
+    store = PromptStore(cache_ram, limit_tokens=n_ctx) if cache_ram != 0 else None
+    if store is None and cache_idle_slots:
+        log.warning("--cache-idle-slots requires --cache-ram, disabling")
+        cache_idle_slots = False
     target = model or default_target()
 
     def policy_for(sp):   # --schedule ...: one policy per decoder (its running estimates are its own)
@@ -123,11 +133,13 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
             pool = open_batched_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                                      threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
                                      verbose=verbose, policy_factory=policy_for, kv_unified=kv_unified,
-                                     slot_similarity=slot_similarity, offload=offload)
+                                     slot_similarity=slot_similarity, offload=offload, store=store,
+                                     cache_idle_slots=cache_idle_slots, n_checkpoints=ctx_checkpoints)
         else:
             pool = build_pool(target, draft, n_slots=n_slots, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                               threads=threads, flash_attn=flash_attn, n_gpu_layers=n_gpu_layers, n_max=n_max,
-                              verbose=verbose, slot_similarity=slot_similarity, offload=offload)
+                              verbose=verbose, slot_similarity=slot_similarity, offload=offload, store=store,
+                              n_checkpoints=ctx_checkpoints)
             try:
                 for sp_i in pool.speculators:
                     sp_i.decoder.policy = policy_for(sp_i)

@@ -85,6 +85,16 @@ class SpecDecoder:
         self._rid = rid
         return self._events(rid)
 
+    @property
+    def store(self):
+        """The :class:`~..llama.prompt_state.PromptStore` this decoder's slot saves to and restores
+        from (None: none); slots of ``serve -nocb`` share one."""
+        return self.loop.cache.store
+
+    @store.setter
+    def store(self, store) -> None:
+        self.loop.cache.store = store
+
     def forget(self) -> None:
         """Drop what the prompt cache believes the memories hold (someone else decoded there)."""
         self._detach()

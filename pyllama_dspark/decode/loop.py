@@ -36,7 +36,7 @@ import numpy as np
 
 from pyllama_dspark.decode.cycle import Chunk, Done, OneHotRows, PieceCache, Started, TargetRows
 from pyllama_dspark.decode.prefill import prefill
-from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache
+from pyllama_dspark.decode.prompt_cache import CTX_CHECKPOINTS, SLOT_PROMPT_SIMILARITY, PromptCache
 from pyllama_dspark.decode.request import Request, grammar_cut, make_request, token_probs
 from pyllama_dspark.llama.handles import Draft, RowBuffers, Target
 from pyllama_dspark.llama.recurrent import VerifyCheckpoints
@@ -53,7 +53,8 @@ class Decoder:
     def __init__(self, target: Target, proposer: Union[Draft, Proposer, None] = None, *, n_max: int = 7,
                  policy: Optional[VerifyPolicy] = None, streaming: bool = False, tie_eps: float = 1e-3,
                  slots: Optional[Sequence[int]] = None, keep_memory: bool = False,
-                 slot_similarity: float = SLOT_PROMPT_SIMILARITY):
+                 slot_similarity: float = SLOT_PROMPT_SIMILARITY, store=None,
+                 n_checkpoints: int = CTX_CHECKPOINTS, cache_idle_slots: bool = False):
         """``proposer``: a Draft (every block of a step in one draft decode), any other Proposer
         (e.g. the oracle), or None (plain decoding).  ``n_max``: the largest draft block a request
         may ask for (clamped to what the drafter produces).  ``policy``: how much of each block to
@@ -63,7 +64,10 @@ class Decoder:
         sequence ids this decoder may use (default: every sequence of the target's context).
         ``keep_memory``: a finished request's memories stay as they are (instead of being cleared),
         so that a later request with ``reuse_prefix`` decodes only what they do not hold; a request
-        then gets its slot by llama-server's rule (:mod:`.prompt_cache`, ``slot_similarity``)."""
+        then gets its slot by llama-server's rule (:mod:`.prompt_cache`, ``slot_similarity``).
+        ``store``: a :class:`~..llama.prompt_state.PromptStore` (``--cache-ram``) that slot states
+        are saved to and restored from; ``cache_idle_slots``: every idle slot's state saved to it
+        when a request starts; ``n_checkpoints``: checkpoints a slot keeps on a hybrid target."""
         self.target = target
         self.tie_eps = float(tie_eps)
         self._undo = VerifyCheckpoints(target) if VerifyCheckpoints.needed(target) else None
@@ -92,7 +96,8 @@ class Decoder:
         self._events: List[Tuple[int, Union[Started, Chunk, Done]]] = []
         self._next_rid = 0
         # per slot, when keep_memory: what its memories hold (see .prompt_cache)
-        self.cache = PromptCache(slot_similarity)
+        self.cache = PromptCache(slot_similarity, store=store if keep_memory else None, n_checkpoints=n_checkpoints)
+        self.cache_idle_slots = bool(cache_idle_slots) and store is not None
         self._prop: Optional[Proposer] = None
         self._policy: Optional[VerifyPolicy] = None
         self.proposer = proposer
@@ -207,6 +212,9 @@ class Decoder:
                 self._prop.bind(s.seq_id, s.prompt)
         if not new:
             return
+        if self.cache_idle_slots:
+            self.cache.save_idle(self.target, self._prop, self._free,
+                                 clear=bool(getattr(self.target.settings, "kv_unified", False)))
         try:
             prefill(self, new)   # every new prompt, in shared decodes (.prefill)
         except BaseException:

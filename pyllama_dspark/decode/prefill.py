@@ -24,7 +24,7 @@ def prefill(dec, reqs: Sequence[Request]) -> None:
     (``dec``: the :class:`~.loop.Decoder`)."""
     tgt, prop, cache = dec.target, dec._prop, dec.cache
     t0 = time.perf_counter()
-    todo: List[list] = []   # [request, next position to decode]
+    todo: List[list] = []   # [request, next position to decode, checkpoint stop or None]
     for s in sorted(reqs, key=lambda r: r.seq_id):   # rows in sequence order (see .loop's step)
         s.t_start = t0
         seq = s.seq_id
@@ -42,7 +42,9 @@ def prefill(dec, reqs: Sequence[Request]) -> None:
         # the first token: from the device's top 2 where the request is greedy (the prompt cache
         # then keeps that token, not a row: llama/backend_sampling.py), else from the logits row
         tgt.samplers.want(seq, device_greedy(s))
-        todo.append([s, start])
+        # a hybrid slot that keeps its memories stops short of the prompt's end for a checkpoint
+        cut = cache.checkpoint_at(tgt, seq, start, s.prompt.size) if dec.keep_memory else None
+        todo.append([s, start, cut])
     # with a cost-driven policy the prompt's feature rows wait on the host until a block is drafted:
     # a run in which drafting never pays makes no draft decode at all (the first is a cold one)
     defer = prop is not None and dec._policy is not None and dec._policy.uses_cost
@@ -54,8 +56,8 @@ def prefill(dec, reqs: Sequence[Request]) -> None:
         for item in todo:
             if n == nb:
                 break
-            s, c0 = item
-            k = min(s.prompt.size - c0, nb - n)
+            s, c0, cut = item
+            k = min(s.prompt.size - c0, nb - n, cut - c0 if cut is not None and c0 < cut else nb)
             tok[n:n + k] = s.prompt[c0:c0 + k]
             pos[n:n + k] = np.arange(c0, c0 + k, dtype=np.int32)
             seqs[n:n + k] = s.seq_id
@@ -67,12 +69,14 @@ def prefill(dec, reqs: Sequence[Request]) -> None:
             item[1] = c0 + k
             n += k
         tgt.decode_rows(tok[:n], pos[:n], seqs[:n], outs[:n])
-        for (s, c_end), row0, k, _ in pieces:
+        for (s, c_end, cut), row0, k, _ in pieces:
+            if c_end == cut:
+                cache.add_checkpoint(tgt, s.seq_id)
             if defer:
                 observe_later(prop, row0, k, c_end - k, s.seq_id)
             elif prop is not None:
                 prop.observe(row0, k, c_end - k, s.seq_id)
-        for (s, _), row0, k, done in pieces:
+        for (s, _, _), row0, k, done in pieces:
             if done:
                 _first_token(dec, s, idx=row0 + k - 1)
         todo = [p[0] for p in pieces if not p[3]] + todo[len(pieces):]

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 from pyllama_dspark.decode.cycle import Started
 from pyllama_dspark.decode.cycle import Done
-from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY
+from pyllama_dspark.decode.prompt_cache import CTX_CHECKPOINTS, SLOT_PROMPT_SIMILARITY
 from pyllama_dspark.serve.slots import Cancelled, Job, JobQueue, _deliver, job_request, memory_ranges
 from pyllama_dspark.decode.timings import timing_log_lines
 
@@ -33,12 +33,15 @@ class BatchedPool(JobQueue):
     ``sp``: a :class:`~.api.Speculator` opened with ``n_seq=n_slots`` (it owns the contexts and
     is closed with the pool); ``policy``: an optional :class:`~.policy.VerifyPolicy`."""
 
-    def __init__(self, sp, n_max: int = 7, policy=None, slot_similarity: float = SLOT_PROMPT_SIMILARITY):
+    def __init__(self, sp, n_max: int = 7, policy=None, slot_similarity: float = SLOT_PROMPT_SIMILARITY,
+                 store=None, cache_idle_slots: bool = False, n_checkpoints: int = CTX_CHECKPOINTS):
         from pyllama_dspark.decode.loop import Decoder
 
         self.sp = sp
+        self.store = store
         self._bd = Decoder(sp.target, sp.proposer if sp.draft is not None else None, n_max=n_max,
-                           policy=policy, streaming=True, keep_memory=True, slot_similarity=slot_similarity)
+                           policy=policy, streaming=True, keep_memory=True, slot_similarity=slot_similarity,
+                           store=store, cache_idle_slots=cache_idle_slots, n_checkpoints=n_checkpoints)
         self._init_jobs()
         self._running: Dict[int, Job] = {}     # rid -> job
         self._thread = threading.Thread(target=self._work, name="dspark-batch", daemon=True)
@@ -74,7 +77,8 @@ class BatchedPool(JobQueue):
         free = set(self._bd.free_slots())
         return [{"id": i, "n_ctx": self.n_ctx, "is_processing": i in by_slot or i not in free,
                  "id_task": by_slot[i].task_id if i in by_slot else -1, "n_cached": cache.n_cached(i),
-                 "dspark_memory": self.memory.get(i)}
+                 "n_checkpoints": len(cache.checkpoints.get(i, ())),
+                 "dspark_memory": self.memory.get(i), "dspark_prompt_cache": self.store_info()}
                 for i in self._bd.slots]
 
     # ---- jobs --------------------------------------------------------------------------------------
@@ -190,7 +194,8 @@ class BatchedPool(JobQueue):
 def open_batched_pool(target: str, draft: Optional[str], *, n_slots: int, n_ctx: int, n_batch: int, n_ubatch: int,
                       threads, flash_attn: str, n_gpu_layers, n_max: int, verbose: bool = False,
                       policy_factory=None, kv_unified: bool = False,
-                      slot_similarity: float = SLOT_PROMPT_SIMILARITY, offload: Optional[dict] = None) -> BatchedPool:
+                      slot_similarity: float = SLOT_PROMPT_SIMILARITY, offload: Optional[dict] = None,
+                      store=None, cache_idle_slots: bool = False, n_checkpoints: int = CTX_CHECKPOINTS) -> BatchedPool:
     """A Speculator with ``n_slots`` sequences sharing ``n_ctx`` tokens (llama-server's ``-c``:
     ``n_ctx / n_slots`` each, or all of it for any one with ``kv_unified``), wrapped in a
     BatchedPool; ``policy_factory(sp)``: the VerifyPolicy of its decoder (None: verify every draft)."""
@@ -201,7 +206,8 @@ def open_batched_pool(target: str, draft: Optional[str], *, n_slots: int, n_ctx:
                     schedule="off", kv_unified=kv_unified, **(offload or {}))   # the pool's decoder gets its policy from policy_factory
     try:
         return BatchedPool(sp, n_max=n_max, policy=policy_factory(sp) if policy_factory else None,
-                           slot_similarity=slot_similarity)
+                           slot_similarity=slot_similarity, store=store, cache_idle_slots=cache_idle_slots,
+                           n_checkpoints=n_checkpoints)
     except BaseException:
         sp.close()
         raise

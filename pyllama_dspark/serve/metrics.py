@@ -19,7 +19,9 @@ The names, help texts and kinds are llama-server's (tools/server/server-task.cpp
   its cycles -- over the target decodes: 1 with a context per slot, more when slots share decodes);
 * ours beside them: ``llamacpp:dspark_verify_rows_total`` (target rows verified: per cycle the anchor
   plus the drafts verified) and ``llamacpp:dspark_cycles_drafted_total`` (cycles that verified a
-  drafted block).
+  drafted block); with the RAM prompt cache (``--cache-ram``), ``llamacpp:dspark_prompt_cache_hits_total``
+  / ``_misses_total`` (a slot's state exchange found a kept state that serves the prompt better, or
+  none), gauges ``llamacpp:dspark_prompt_cache_bytes`` / ``_states`` / ``_limit_bytes``.
 
 Everything is updated from each finished request's ``Done.stats`` (:meth:`ServerMetrics.observe`,
 thread-safe); ``prometheus_client`` is imported only when the text is rendered.
@@ -144,6 +146,8 @@ class ServerMetrics:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         counters, gauges, pos = self._snapshot()
+        info = getattr(self.pool, "store_info", None)
+        store = info() if callable(info) else None
 
         class _Collector:
             def collect(self):
@@ -162,6 +166,13 @@ class ServerMetrics:
                     yield fam
                 for name, doc, key in _DSPARK_COUNTERS:
                     yield CounterMetricFamily("llamacpp:" + name, doc, value=counters[key])
+                if store is not None:
+                    for key in ("hits", "misses"):
+                        yield CounterMetricFamily(f"llamacpp:dspark_prompt_cache_{key}_total",
+                                                  f"DSpark: RAM prompt cache {key}", value=store[key])
+                    for key in ("bytes", "states", "limit_bytes"):
+                        yield GaugeMetricFamily(f"llamacpp:dspark_prompt_cache_{key}",
+                                                f"DSpark: RAM prompt cache {key.replace('_', ' ')}", value=store[key])
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector())

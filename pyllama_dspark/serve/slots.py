@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import numpy as np
 
 from pyllama_dspark.decode.cycle import Done
-from pyllama_dspark.decode.prompt_cache import SLOT_PROMPT_SIMILARITY, pick_slot
+from pyllama_dspark.decode.prompt_cache import CTX_CHECKPOINTS, SLOT_PROMPT_SIMILARITY, pick_slot
 from pyllama_dspark.decode.timings import timing_log_lines
 
 log = logging.getLogger("pyllama_dspark.serve.server")
@@ -77,6 +77,12 @@ def memory_ranges(sp, seq: int) -> dict:
 
 class JobQueue:
     """What every pool shares: the FIFO of jobs, task ids, counters and the lock over them."""
+
+    store = None   # the RAM prompt cache (llama.prompt_state.PromptStore), if any
+
+    def store_info(self) -> Optional[dict]:
+        """The RAM prompt cache's counts (``--cache-ram``; None when it is off)."""
+        return None if self.store is None else self.store.info()
 
     def _init_jobs(self) -> None:
         self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
@@ -142,7 +148,7 @@ class SlotPool(JobQueue):
     """``n_slots`` workers over Speculators made by ``factory(slot_index)``."""
 
     def __init__(self, factory: Callable[[int], Any], n_slots: int = 1,
-                 slot_similarity: float = SLOT_PROMPT_SIMILARITY):
+                 slot_similarity: float = SLOT_PROMPT_SIMILARITY, store=None, n_checkpoints: int = CTX_CHECKPOINTS):
         if int(n_slots) < 1:
             raise ValueError(f"the number of slots must be >= 1, got {n_slots}")
         self.speculators: List[Any] = []
@@ -153,6 +159,12 @@ class SlotPool(JobQueue):
             for sp in self.speculators:
                 sp.close()
             raise
+        self.store = store   # one RAM prompt cache that every slot's decoder saves to and restores from
+        for sp in self.speculators:
+            dec = getattr(sp, "decoder", None)
+            if dec is not None and hasattr(dec, "loop"):
+                dec.store = store
+                dec.loop.cache.n_checkpoints = int(n_checkpoints)
         self._init_jobs()
         self.similarity = float(slot_similarity)
         n = len(self.speculators)
@@ -223,7 +235,7 @@ class SlotPool(JobQueue):
         return [{"id": i, "n_ctx": self.n_ctx, "is_processing": busy[i],
                  "id_task": running[i].task_id if running[i] is not None else -1,
                  "n_cached": 0 if self._held(i) is None else int(self._held(i).size),
-                 "dspark_memory": self.memory.get(i)}
+                 "dspark_memory": self.memory.get(i), "dspark_prompt_cache": self.store_info()}
                 for i in range(len(self.speculators))]
 
     def _held(self, slot: int):

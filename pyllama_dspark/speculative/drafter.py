@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from pyllama_dspark.llama.handles import Draft
+from pyllama_dspark.llama.prompt_state import SeqBytes, seq_state_size
 
 
 @dataclass
@@ -151,6 +152,18 @@ class Proposer:
 
     def rollback(self, p0: int, seq_id: int = 0) -> None:
         pass
+
+    def state_size(self, seq_id: int = 0) -> int:
+        """Bytes :meth:`save_state` would copy for ``seq_id`` (the prompt store sizes a state first)."""
+        return 0
+
+    def save_state(self, seq_id: int = 0):
+        """What the proposer holds of ``seq_id`` (for the prompt store), or None: nothing."""
+        return None
+
+    def load_state(self, state, seq_id: int = 0) -> None:
+        """``seq_id`` as :meth:`save_state` found it (``state`` None: emptied)."""
+        self.reset(seq_id)
 
     def close(self) -> None:
         pass
@@ -319,12 +332,46 @@ class DraftModelProposer(Proposer):
             dq.truncate(p0)
         self.draft.seq_rm(seq_id, p0, -1)
 
+    def state_size(self, seq_id: int = 0) -> int:
+        dq = self._deferred.get(seq_id)
+        return seq_state_size(self.draft.ctx, seq_id) + (0 if dq is None else dq.nbytes)
+
+    def save_state(self, seq_id: int = 0) -> "DraftState":
+        """The draft's memory of ``seq_id`` and the feature rows kept on the host for it."""
+        dq = self._deferred.get(seq_id)
+        pending = None if dq is None or dq.n == 0 else (dq.pos0, dq.rows.copy())
+        return DraftState(SeqBytes(self.draft.ctx, seq_id, seq_state_size(self.draft.ctx, seq_id)), pending)
+
+    def load_state(self, state, seq_id: int = 0) -> None:
+        self.reset(seq_id)
+        if state is None:
+            return
+        state.memory.restore(self.draft.ctx, seq_id)
+        if state.pending is not None:
+            pos0, rows = state.pending
+            dq = self._deferred[seq_id] = _Deferred(pos0, rows.shape[1])
+            dq.add(rows)
+
     def close(self) -> None:
         self._deferred.clear()
         if self._markov is not None:
             self._markov.close()
             self._markov = None
         self.draft.close()
+
+
+class DraftState:
+    """A draft's part of a prompt state: its memory of the sequence and the pending feature rows
+    (position of the first, rows [n, width]) not yet injected."""
+
+    __slots__ = ("memory", "pending")
+
+    def __init__(self, memory: SeqBytes, pending=None):
+        self.memory, self.pending = memory, pending
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.nbytes + (0 if self.pending is None else int(self.pending[1].nbytes))
 
 
 def propose_one(prop, r: BlockRequest) -> Proposal:
