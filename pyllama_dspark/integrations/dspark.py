@@ -46,6 +46,7 @@ from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.llama.borrowed import BorrowedTarget
 from pyllama_dspark.llama.handles import Draft, Owned
+from pyllama_dspark.llama.prompt_state import PromptStore
 from pyllama_dspark.integrations.llama_plugin import borrow_target, close_with_context, llama_ctx, llama_settings
 from pyllama_dspark.speculative.sampling_params import SamplingParams
 
@@ -93,7 +94,7 @@ class DSpark(Owned):
                  n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512, n_threads: Optional[int] = None,
                  flash_attn: str = "auto", n_gpu_layers: Union[int, str] = "auto", chat_format: Optional[str] = None,
                  chat_handler=None, last_n_tokens_size: int = 64, verbose: bool = False,
-                 schedule="auto", cost_profile=None, cache_prompt: bool = False, rpc=None,
+                 schedule="auto", cost_profile=None, cache_prompt: bool = False, cache_ram: int = 0, rpc=None,
                  tensor_split=(), n_gpu_layers_draft: Union[int, str, None] = None, backend_sampling: str = "auto"):
         """``schedule``: ``"auto"`` (default: verify drafts only where it pays on this machine's
         measured, cached cost curve), ``"off"`` (every draft verified, llama.cpp's fixed block) or
@@ -102,7 +103,10 @@ class DSpark(Owned):
         part of the next prompt they lack, as ``Llama`` reuses its cached prefix: turn k of a chat
         decodes the new turn only.  Off by default: a prefix decoded in other batch shapes than a
         fresh prefill changes the logits' last bits, so greedy output can differ from a fresh
-        call's at a numerical near-tie.  ``rpc``, ``tensor_split``, ``n_gpu_layers_draft``,
+        call's at a numerical near-tie.  ``cache_ram``: with ``cache_prompt``, MiB of host RAM
+        (llama-server's ``--cache-ram``; -1: no limit; 0, the default: none, as ``Llama`` without
+        ``set_cache``) that keeps the memories of other conversations: a conversation that comes back
+        after another one is restored instead of prefilled again.  ``rpc``, ``tensor_split``, ``n_gpu_layers_draft``,
         ``backend_sampling``: llama.cpp RPC servers for the offloaded layers and the device read-out,
         as for :class:`~.api.Speculator`."""
         self._sp = Speculator(target_path, draft_path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
@@ -113,6 +117,7 @@ class DSpark(Owned):
         self._setup(self._sp.target, self._sp.draft, self._sp.proposer, self._sp.n_max, str(target_path),
                     None, last_n_tokens_size, policy=self._sp.policy)
         self.cache_prompt = bool(cache_prompt)
+        self._use_store(cache_ram, n_ctx)
         self.warnings = list(self._sp.warnings)
         self._handler = chat_handler or self._handler_from_gguf(chat_format)
         # tools through our own path (serve's) unless a chat handler / format was chosen
@@ -120,11 +125,12 @@ class DSpark(Owned):
 
     @classmethod
     def from_llama(cls, llm, draft_path: Optional[str] = None, *, n_max: int = 7, schedule="auto",
-                   cost_profile=None, cache_prompt: bool = False) -> "DSpark":
+                   cost_profile=None, cache_prompt: bool = False, cache_ram: int = 0) -> "DSpark":
         """A DSpark over an existing ``llama_cpp.Llama``: its context, model, chat format and
         ``last_n_tokens_size``.  Closing the DSpark leaves the Llama usable; closing the Llama
         closes the DSpark first.  ``cache_prompt``: as for the constructor, as long as the Llama
-        itself did not decode in between (its tokens then replaced ours in the shared memory)."""
+        itself did not decode in between (its tokens then replaced ours in the shared memory).
+        ``cache_ram``: as for the constructor."""
         ctx = llama_ctx(llm)
         check_n_max(n_max)
         self = cls.__new__(cls)
@@ -149,6 +155,7 @@ class DSpark(Owned):
         self._setup(target, draft, proposer, int(n_max), str(llm.model_path), llm, llm.last_n_tokens_size,
                     policy=policy)
         self.cache_prompt = bool(cache_prompt)
+        self._use_store(cache_ram, llm.n_ctx())
         self.warnings = found
         self._handler = (llm.chat_handler or llm._chat_handlers.get(llm.chat_format)
                          or lcf.get_chat_completion_handler(llm.chat_format))
@@ -168,6 +175,17 @@ class DSpark(Owned):
         self.decoder = SpecDecoder(target, proposer, policy=policy)
         self.last_stats = None
         self._closed = False
+
+    def _use_store(self, cache_ram: int, n_ctx: int) -> None:
+        """The RAM prompt cache of ``cache_prompt`` sessions (llama/prompt_state.py), or none."""
+        if int(cache_ram) != 0:
+            self.decoder.store = PromptStore(int(cache_ram), limit_tokens=int(n_ctx))
+
+    @property
+    def prompt_cache_info(self) -> Optional[dict]:
+        """The RAM prompt cache's counts (states, bytes, tokens, hits, misses, ...), or None."""
+        store = self.decoder.store
+        return None if store is None else store.info()
 
     def _handler_from_gguf(self, chat_format: Optional[str]):
         """The chat handler ``Llama`` would pick for this GGUF (or for ``chat_format``)."""
