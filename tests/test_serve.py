@@ -246,6 +246,30 @@ def test_completions_text_and_token_prompts(server, llama_refs):
     _report_excused(excused, "completions")
 
 
+def test_ignore_eos_bans_the_end_of_generation_tokens(server1, llama_refs):
+    """``ignore_eos`` as llama-server means it (``server-schema.cpp``): every end-of-generation
+    token gets a -inf logit bias, so the reply is the target's greedy reply with them banned
+    (``Llama`` with the same ``logit_bias``), ``max_tokens`` long.  The plain reply ends early, so
+    generating an EOG token and going on would differ."""
+    import llama_cpp
+
+    prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    n = 40
+    plain = llama_refs.completion(prompt, n)
+    assert plain["choices"][0]["finish_reason"] == "stop" and plain["usage"]["completion_tokens"] < n
+    vocab = llama_cpp.llama_model_get_vocab(llama_refs.llm.model)
+    eog = {t: -1e30 for t in range(llama_refs.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+    ref = llama_refs.completion(prompt, n, logit_bias=eog)
+    r = server1.post("/v1/completions", {"prompt": prompt, "temperature": 0, "max_tokens": n, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == n and out["choices"][0]["finish_reason"] == "length"
+    excused = []
+    _greedy_ok(llama_refs, llama_refs.completion_tokens(prompt), n, out["choices"][0]["text"],
+               ref["choices"][0]["text"], "ignore_eos", excused)
+    _report_excused(excused, "ignore_eos")
+
+
 def test_stop_strings(server, llama_refs):
     prompt = "1, 2, 3, 4,"
     out = server.post("/v1/completions", {"prompt": prompt, "temperature": 0, "max_tokens": 24, "stop": [" 7"]}).json()

@@ -25,10 +25,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
@@ -143,6 +145,8 @@ def engine_constraints(pool: SlotPool, req: GenRequest, grammar: bool = True
     bias = None
     if req.logit_bias:
         bias = resolve_logit_bias(req.logit_bias, lambda text: target.tokenize(text, False, False), target.n_vocab)
+    if req.ignore_eos:   # llama-server's ignore_eos: every end-of-generation token banned (server-schema.cpp)
+        bias = {**(bias or {}), **{int(t): -math.inf for t in np.flatnonzero(target.eog_mask)}}
     return gbnf, bias
 
 
