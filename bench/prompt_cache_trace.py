@@ -12,8 +12,9 @@ their next turns), one request at a time, streamed, greedy, ``-n`` tokens per re
 * ``pyllama-dspark serve`` with the same drafter, ``--cache-ram 8192`` and ``--cache-ram 0``.
 
 Per server: the time to the first content chunk (TTFT) of the returning turns (turn 2 on), mean
-and median; the wall-clock time of the whole trace; the mean ``timings.cache_n`` and ``prompt_n``
-of the returning turns (how much of each was reused, how much prefilled).  Rounds alternate the
+and median; the wall-clock time of the whole trace; the mean ``timings.cache_n``, ``prompt_n``
+and ``prompt_ms`` of the returning turns (how much of each was reused, how much prefilled, and
+the server's own prompt time: TTFT minus it is the request's path outside the prefill).  Rounds alternate the
 servers; the medians over rounds are printed side by side with the ratios ours / llama-server's,
 and every raw number goes to ``--out`` (JSON).  Run it on an idle machine: llama.cpp's threads
 spin-wait.
@@ -54,7 +55,7 @@ class TheirServer(LlamaServer):
 def trace(url: str, convs: int, turns: int, n: int, tag: int) -> dict:
     msgs = [[{"role": "system", "content": f"Session {tag}. You are assistant number {c}. Answer briefly."}]
             for c in range(convs)]
-    ttft, cache_n, prompt_n = [], [], []
+    ttft, cache_n, prompt_n, prompt_ms = [], [], [], []
     t0 = time.perf_counter()
     for turn in range(turns):
         for c in range(convs):
@@ -64,8 +65,10 @@ def trace(url: str, convs: int, turns: int, n: int, tag: int) -> dict:
                 ttft.append(r["ttft_s"])
                 cache_n.append(r["timings"].get("cache_n", 0))
                 prompt_n.append(r["timings"].get("prompt_n", 0))
+                prompt_ms.append(r["timings"].get("prompt_ms", 0.0))
             msgs[c].append({"role": "assistant", "content": r["content"]})
-    return {"wall_s": time.perf_counter() - t0, "ttft_s": ttft, "cache_n": cache_n, "prompt_n": prompt_n}
+    return {"wall_s": time.perf_counter() - t0, "ttft_s": ttft, "cache_n": cache_n, "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms}
 
 
 def main():
@@ -122,11 +125,12 @@ def main():
         rows.append([k, f"{ttft:.1f}", f"{ttft_med:.1f}", f"{wall:.2f}",
                      f"{med(k, lambda x: statistics.mean(x['cache_n'])):.0f}",
                      f"{med(k, lambda x: statistics.mean(x['prompt_n'])):.1f}",
+                     f"{med(k, lambda x: statistics.mean(x['prompt_ms'])):.1f}",
                      f"{ttft / (med(ref, lambda x: statistics.mean(x['ttft_s'])) * 1e3):.2f}",
                      f"{wall / med(ref, lambda x: x['wall_s']):.2f}"])
     print(f"\n{a.convs} conversations x {a.turns} turns, -np {a.slots}, {a.n} tokens per reply, -t {a.threads}, "
           f"median of {a.rounds} rounds:")
-    print(tabulate(rows, headers=["server", "TTFT mean ms", "TTFT median ms", "wall s", "cache_n", "prompt_n",
+    print(tabulate(rows, headers=["server", "TTFT mean ms", "TTFT median ms", "wall s", "cache_n", "prompt_n", "prompt_ms",
                                   "TTFT / llama-server", "wall / llama-server"]))
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "runs": runs,

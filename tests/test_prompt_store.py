@@ -336,7 +336,7 @@ def test_returning_conversations_are_never_prefilled_again(target_path, llama_re
 
 
 def test_serve_reuses_a_hybrid_conversations_prefix(qwen35, tmp_path):
-    """``serve -np 2`` on a hybrid target, 4 conversations x 3 turns through ``/completion`` (token
+    """``serve -np 2`` on a hybrid target, 6 conversations x 8 turns through ``/completion`` (token
     prompts): every reply is Llama's greedy reply, and a returning turn whose prompt parts from
     the state inside the previous reply resumes from the checkpoint before the previous prompt's
     end (``cache_n``) instead of decoding the conversation again; with ``--ctx-checkpoints 0``
@@ -350,14 +350,14 @@ def test_serve_reuses_a_hybrid_conversations_prefix(qwen35, tmp_path):
                 flash_attn=True, verbose=False)
     try:
         for ckpts in ("32", "0"):
-            srv = ServeProcess(target, draft, tmp_path / f"hybrid-{ckpts}.log", n_slots=2, n_ctx=512,
+            srv = ServeProcess(target, draft, tmp_path / f"hybrid-{ckpts}.log", n_slots=2, n_ctx=1024,
                                extra=["--schedule", "off", "-b", "64", "-ub", "64", "--ctx-checkpoints", ckpts])
             rng = np.random.default_rng(1)
-            convs = [[int(t) for t in rng.integers(10, 4000, 24)] for _ in range(4)]
-            prev = [0] * 4
+            convs = [[int(t) for t in rng.integers(10, 4000, 24)] for _ in range(6)]
+            prev = [0] * 6
             try:
-                for turn in range(3):
-                    for c in range(4):
+                for turn in range(8):
+                    for c in range(6):
                         r = srv.post("/completion", {"prompt": convs[c], "n_predict": N_GEN, "temperature": 0,
                                                      "return_tokens": True})
                         assert r.status_code == 200, r.text

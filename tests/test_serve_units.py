@@ -217,7 +217,7 @@ class _FakeBatchDecoder:
     n_ctx_seq = 64
     instances = []
 
-    def __init__(self, target, proposer, *, n_max, policy=None, streaming=False, keep_memory=False, slot_similarity=0.1):
+    def __init__(self, target, proposer, *, n_max, policy=None, streaming=False, keep_memory=False, slot_similarity=0.1, **prompt_cache):
         assert streaming, "the pool consumes events"
         self.queue, self.active, self.events = [], [], []
         self.free = list(range(self.n_slots))[::-1]
