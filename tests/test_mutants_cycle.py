@@ -128,17 +128,23 @@ def test_text_stream_without_stop():
     assert ts.flush(final=True) == "\ufffd"
 
 
-def test_text_stream_holds_back_near_a_stop_string():
+def test_text_stream_holds_back_only_the_start_of_a_stop_string():
     ts = _stream(["END", "o w"])
     assert ts.hold == 2
     ts.push(0)
-    assert ts.flush() == "H"             # len 3 - hold 2
+    assert ts.flush() == "Hel"           # no end of "Hel" begins "END" or "o w": all of it goes
     ts.push(1)
-    assert ts.flush() == "el"
-    assert ts.sent == 3
+    assert ts.flush() == "l"             # "Hello": its "o" may begin "o w"
+    assert ts.sent == 4
     ts.push(2)                            # "Hello wor": "o w" found at 4
     assert ts.stopped and ts.stop_word == "o w" and ts.text == "Hell"
-    assert ts.flush() == "l" and ts.flush(final=True) == ""
+    assert ts.flush() == "" and ts.flush(final=True) == ""
+    ts = _stream(["END"])
+    ts.push(6)
+    assert ts.stopped and ts.text == ""
+    ts = _stream(["ENDX"])
+    ts.push(6)
+    assert ts.flush() == "" and ts.flush(final=True) == "END"   # all three may begin "ENDX"
 
 
 def test_text_stream_earliest_stop_and_search_window():
@@ -155,10 +161,11 @@ def test_text_stream_earliest_stop_and_search_window():
     ts = _stream(["llo w"])
     assert ts.hold == 4
     ts.push(0)
+    assert ts.flush() == "He" and ts.sent == 2   # "l" may begin "llo w"
     ts.push(1)
-    assert ts.flush() == "H" and ts.sent == 1
+    assert ts.flush() == "" and ts.sent == 2     # "llo" may too
     ts.push(2)
-    assert ts.stopped and ts.text == "He" and ts.flush(final=True) == "e"
+    assert ts.stopped and ts.text == "He" and ts.flush(final=True) == ""
     ts = _stream(["!"])
     assert ts.hold == 0
     ts.push(6)

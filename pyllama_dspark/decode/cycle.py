@@ -178,7 +178,8 @@ class PieceCache(dict):
 
 
 class TextStream:
-    """Incremental UTF-8 detokenization with stop strings; never emits text past a stop string."""
+    """Incremental UTF-8 detokenization with stop strings; never emits text past a stop string,
+    and holds back only an end of the text that begins one (a first token goes out at once)."""
 
     def __init__(self, pieces: PieceCache, stop: Sequence[str]):
         self.pieces = pieces
@@ -209,10 +210,21 @@ class TextStream:
             # a stop string like any other text
             self.text += self.dec.decode(b"", final=True)
             self._find_stop()
-        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self.hold)
+        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self._partial())
         out = self.text[self.sent:end]
         self.sent = end
         return out
+
+    def _partial(self) -> int:
+        """Length of the longest end of the unsent text that begins a stop string: what is held
+        back (llama-server's ``find_partial_stop_string``); the rest can never be part of one."""
+        t, best = self.text, 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(t) - self.sent), best, -1):
+                if t.endswith(s[:k]):
+                    best = k
+                    break
+        return best
 
 
 class OneHotRows:

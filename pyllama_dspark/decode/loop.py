@@ -225,6 +225,9 @@ class Decoder:
         for s in new:
             if s.finish is None:
                 self._active.append(s)
+                if self.streaming and s.pending:   # the first token, out before the next cycle
+                    self._events.append((s.rid, Chunk(s.pending, s.text.flush(), self._pending_probs(s))))
+                    s.pending = []
             else:
                 self._finish(s)
         return True
