@@ -214,3 +214,27 @@ def default_draft_path():
     from pyllama_dspark.paths import default_draft
 
     return default_draft()
+
+
+def test_a_streamed_first_token_comes_out_of_the_admitting_step(target_path, refs):
+    """The step that admits a request ends after its prefill and hands out its first token (and
+    its text, which cannot begin the stop string) before any cycle runs: llama-server sends a
+    first token right after the decode that ends the prompt.  Greedy output is unchanged."""
+    from pyllama_dspark.decode.cycle import Chunk, Done
+
+    t, d = _open(target_path, default_draft_path(), 2)
+    with t:
+        bd = Decoder(t, d, n_max=7, streaming=True)
+        p0, m0, ref0 = refs[0]
+        rid = bd.submit(p0, m0, stop=["<|im_end|>"])
+        bd.step()
+        first = [ev for r, ev in bd.poll() if r == rid and not isinstance(ev, Started)]
+        assert bd.steps == 0, "a cycle ran in the admitting step"
+        assert len(first) == 1 and isinstance(first[0], Chunk) and first[0].tokens == ref0[:1]
+        assert first[0].text == t.detokenize(ref0[:1]).decode()   # nothing held back
+        events = list(first)
+        while bd.pending():
+            bd.step()
+            events += [ev for r, ev in bd.poll() if r == rid]
+        assert isinstance(events[-1], Done) and events[-1].tokens == ref0
+        assert "".join(e.text for e in events[:-1]) == events[-1].text
