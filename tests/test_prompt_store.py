@@ -307,7 +307,8 @@ def _trace(srv, refs, n_conv, n_turns, label):
 @pytest.mark.parametrize("n_slots,n_conv,n_turns,extra", [
     (2, 6, 8, []),                  # the issue's trace: -np 2, 6 conversations of 8 turns
     (1, 3, 3, []),                  # a new user's: -np 1 (one slot, its own contexts), 3 conversations
-], ids=["np2-batched", "np1"])
+    (2, 3, 2, ["-kvu"]),            # a unified KV buffer: idle slots are saved, then cleared
+], ids=["np2-batched", "np1", "np2-kvu"])
 def test_returning_conversations_are_never_prefilled_again(target_path, llama_refs, tmp_path, tie_eps,
                                                           n_slots, n_conv, n_turns, extra):
     """With the defaults (``--cache-ram 8192``, ``--cache-idle-slots``): every returning turn
@@ -321,7 +322,13 @@ def test_returning_conversations_are_never_prefilled_again(target_path, llama_re
                        extra=["--schedule", "off", "--metrics"] + extra)
     try:
         records, returning = _trace(srv, llama_refs, n_conv, n_turns, f"-np {n_slots} {' '.join(extra)}")
-        info = srv.get("/slots").json()[0]["dspark_prompt_cache"]
+        if "-kvu" in extra:
+            # an unrelated prompt takes the slot nothing was similar to; its admission saved the
+            # other, idle slot and cleared it (without -kvu both would hold their tokens)
+            assert srv.post("/completion", {"prompt": "Once upon a time a dragon", "n_predict": 4}).status_code == 200
+            assert sorted(sl["n_cached"] > 0 for sl in srv.get("/slots").json()) == [False, True]
+        slots = srv.get("/slots").json()
+        info = slots[0]["dspark_prompt_cache"]
         metrics = srv.get("/metrics").text
     finally:
         srv.stop()
