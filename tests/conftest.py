@@ -50,7 +50,7 @@ os.environ.setdefault("PYLLAMA_DSPARK_SCHEDULE_MEMORY", "0")
 # first: with --no-loadscope-reorder (pyproject) pytest-xdist hands each worker the next file in
 # collection order once it is nearly done with its last, so the longest first leaves the short
 # ones to even out the end (a long file collected last would leave one worker running it alone)
-LONGEST_FIRST = ("test_lossless.py", "test_parity_cpp.py", "test_tools_server.py", "test_schedule_heal.py",
+LONGEST_FIRST = ("test_lossless.py", "test_prompt_store.py", "test_parity_cpp.py", "test_tools_server.py", "test_schedule_heal.py",
                  "test_sampling_blocks.py",
                  "test_sampling_e2e.py", "test_backend_sampling.py", "test_tools_dspark.py", "test_draft_types.py",
                  "test_oracle_reanchor.py",
