@@ -75,12 +75,12 @@ def _logit_gap(refs, prefix, best: int, other: int) -> float:
     return float(row[best]) - float(row[other])
 
 
-def _check_turn(refs, msgs, out, label, excused, tie_eps):
+def _check_turn(refs, msgs, out, label, excused, tie_eps, n=N_TOK):
     """Our reply's token ids (from its logprobs) against Llama's greedy ids: equal, or the first
     differing token is within ``tie_eps`` of the reference's pick (a near-tie, recorded)."""
     ours = [c["id"] for c in out["choices"][0]["logprobs"]["content"]]
     prompt = refs.chat_tokens(msgs)
-    ref = refs.greedy(prompt, N_TOK)
+    ref = refs.greedy(prompt, n)
     n = min(len(ours), len(ref))
     diff = next((i for i in range(n) if ours[i] != ref[i]), None)
     if diff is None:
@@ -116,9 +116,9 @@ def _converse(srv, turns, label, fresh_check=True):
     return records
 
 
-def _check_records(refs, records, excused, tie_eps):
+def _check_records(refs, records, excused, tie_eps, n=N_TOK):
     for label, msgs, out in records:
-        _check_turn(refs, msgs, out, label, excused, tie_eps)
+        _check_turn(refs, msgs, out, label, excused, tie_eps, n)
 
 
 def _report(excused, what):

@@ -269,6 +269,7 @@ def test_the_limit_holds_in_resident_memory(target_path):
 
 
 # ---- serve: interleaved conversations ----------------------------------------------------------------
+REPLY = 12   # tokens per reply in the serve traces
 QUESTIONS = ["Name a fruit.", "Why that one?", "Tell me one more fact.", "Say it shorter.", "Name a colour.",
              "Why?", "Give an example.", "Thanks, one last word?"]
 
@@ -286,7 +287,7 @@ def _trace(srv, refs, n_conv, n_turns, label):
     for turn in range(n_turns):
         for c in range(n_conv):
             convs[c].append({"role": "user", "content": QUESTIONS[(c + turn) % len(QUESTIONS)]})
-            out = _chat(srv, convs[c])
+            out = _chat(srv, convs[c], max_tokens=REPLY)
             ids = np.asarray(refs.chat_tokens(convs[c]), dtype=np.int32)
             t = out["timings"]
             assert out["usage"]["prompt_tokens"] == ids.size and t["prompt_n"] + t["cache_n"] == ids.size
@@ -337,7 +338,7 @@ def test_returning_conversations_are_never_prefilled_again(target_path, llama_re
     assert info["hits"] >= (n_conv - n_slots) * (n_turns - 1), info
     assert f"llamacpp:dspark_prompt_cache_hits_total {float(info['hits'])}" in metrics
     excused: list = []
-    _check_records(llama_refs, records, excused, tie_eps)
+    _check_records(llama_refs, records, excused, tie_eps, REPLY)
     _report(excused, "conversations from the RAM cache")
     assert len(excused) <= 2, excused
 

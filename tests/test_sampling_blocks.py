@@ -198,13 +198,16 @@ def test_block_law_batched_decoder(target_path, laws):
                         bd.cancel(rid)      # the rest of its generation is not needed (False once done)
         shared = max(bd.verify_batches)
     samples_by_prompt = {text: [tuple(got[r][:DEPTH]) for r in got if owner[r] == text] for text in PROMPTS}
-    # the first step emits t1 (prefill) + the first block's accepted drafts + one token
+    # the admitting step emits t1 alone (the prefill's token, streamed at once); the first cycle
+    # then emits the first block's accepted drafts + one token
     first = [steps_of[r][0] for r in got]
-    full = sum(1 for n in first if n >= 3)        # t1, an accepted draft, then at least one more
-    info = {"first-step tokens histogram": np.bincount(first).tolist(), "largest verify batch": shared}
+    cycle1 = [steps_of[r][1] for r in got]
+    full = sum(1 for n in cycle1 if n >= 2)       # an accepted draft, then at least one more
+    info = {"first-cycle tokens histogram": np.bincount(cycle1).tolist(), "largest verify batch": shared}
     ok, rejected, report = _check("batched decoder (3 slots)", samples_by_prompt, laws, info)
     assert shared > N_MAX + 1, "rows of several requests verified in one decode" + report
-    assert 0 < full < len(first) and min(first) == 2, "accepted and rejected first drafts" + report
+    assert set(first) == {1}, "the prefill's token streamed alone" + report
+    assert 0 < full < len(cycle1) and min(cycle1) == 1, "accepted and rejected first drafts" + report
     assert all(ok), report
     assert rejected, "the negative control was not rejected" + report
 
