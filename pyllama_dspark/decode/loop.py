@@ -225,9 +225,7 @@ class Decoder:
         for s in new:
             if s.finish is None:
                 self._active.append(s)
-                if self.streaming and s.pending:   # the first token, out before the next cycle
-                    self._events.append((s.rid, Chunk(s.pending, s.text.flush(), self._pending_probs(s))))
-                    s.pending = []
+                self._stream_pending(s)   # the first token, out before the next cycle
             else:
                 self._finish(s)
         return True
@@ -253,6 +251,12 @@ class Decoder:
                 return
         if s.pos0 + 1 >= self.n_ctx_seq:
             s.finish = "length"
+
+    def _stream_pending(self, s: Request) -> None:
+        """A running request's new tokens as a Chunk event (streaming)."""
+        if self.streaming and s.pending:
+            self._events.append((s.rid, Chunk(s.pending, s.text.flush(), self._pending_probs(s))))
+            s.pending = []
 
     @staticmethod
     def _pending_probs(s: Request) -> Optional[list]:
@@ -442,9 +446,7 @@ class Decoder:
         for s in act:
             if s.finish is None:
                 still.append(s)
-                if self.streaming and s.pending:
-                    self._events.append((s.rid, Chunk(s.pending, s.text.flush(), self._pending_probs(s))))
-                    s.pending = []
+                self._stream_pending(s)
             else:
                 self._finish(s)
         self._active = still
