@@ -54,7 +54,8 @@ EXPECTED = {
     "moonshotai-Kimi-K2.jinja": "Kimi", "GLM-4.6.jinja": "GLM",
     "deepseek-ai-DeepSeek-V3.2.jinja": "dsml", "deepseek-ai-DeepSeek-V4.jinja": "dsml4",
     "deepseek-ai-DeepSeek-V4-Flash-0731.jinja": "dsml4",
-    "deepseek-ai-DeepSeek-V3.1.jinja": "DeepSeek V3.1", "llama-cpp-deepseek-r1.jinja": "DeepSeek V3.1",
+    "deepseek-ai-DeepSeek-V3.1.jinja": "deepseek31", "llama-cpp-deepseek-r1.jinja": "DeepSeek R1",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "DeepSeek R1",
 }
 
 

@@ -79,6 +79,12 @@ TARGETS: Dict[str, ToolTarget] = {t.name: t for t in (
     ToolTarget("dsv4", "qwen3", "deepseek-ai-DeepSeek-V4.jinja",
                ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", ("<think>", "user"),
                 ("</think>", "user"), ("｜DSML｜", "user")), "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜DSML｜tool_calls>"),
+    # DeepSeek V3.1: the turn and tool markers control tokens, <think> </think> user-defined
+    ToolTarget("dsv31", "qwen3", "deepseek-ai-DeepSeek-V3.1.jinja",
+               ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", ("<think>", "user"),
+                ("</think>", "user"), "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
+               "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜tool▁calls▁begin｜>"),
 )}
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import json
-import string
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -60,78 +59,12 @@ def block_close(fmt: ToolFormat) -> str:
 
 
 # the PEG evaluator: :mod:`.peg`
-from pyllama_dspark.chat.peg import (CSPACE as _CSPACE, FAIL, MORE, OK, Parser, Result, alt as _alt, chars as _chars,  # noqa: E402
-                                     end as _end, eps as _eps, lit as _lit, not_ as _not, rep as _rep,
-                                     seq as _seq, space as _space)
+from pyllama_dspark.chat.peg import (CSPACE as _CSPACE, FAIL, Parser, alt as _alt, brace_depth as _brace_depth,  # noqa: E402
+                                     end as _end, eps as _eps, json_value as _JSON, lit as _lit, not_ as _not,
+                                     rep as _rep, rest as _rest, seq as _seq, space as _space, tag as _tag,
+                                     until as _until)
 # a node: (tag, start, end, children)
 
-
-def _rest(s: str, i: int) -> Result:
-    return OK, len(s), []
-
-
-def _until(*stops: str) -> Parser:
-    """Text up to the first of ``stops`` (or up to a start of one that the text ends in)."""
-    def p(s: str, i: int) -> Result:
-        while i < len(s):
-            if any(s.startswith(w, i) or (len(s) - i < len(w) and w.startswith(s[i:])) for w in stops):
-                return OK, i, []
-            i += 1
-        return MORE, i, []
-    return p
-
-
-def _tag(tag: str, q: Parser, atomic: bool = False) -> Parser:
-    """A tagged node; ``atomic``: none while its text is not all there."""
-    def p(s: str, i: int) -> Result:
-        st, e, n = q(s, i)
-        if st == FAIL:
-            return st, e, n
-        return st, e, ([] if atomic and st == MORE else [(tag, i, e, n)])
-    return p
-
-
-def _strc(s: str, i: int) -> Result:
-    """The inside of a JSON string (its escapes)."""
-    start = i
-    while i < len(s):
-        c = s[i]
-        if c == '"':
-            return OK, i, []
-        if c != "\\":
-            i += 1
-            continue
-        if i + 1 >= len(s):
-            return MORE, i, []
-        e = s[i + 1]
-        if e in '"\\/bfnrt':
-            i += 2
-        elif e == "u":
-            for k in range(4):
-                if i + 2 + k >= len(s):
-                    return MORE, i, []
-                if s[i + 2 + k] not in string.hexdigits:
-                    return FAIL, start, []
-            i += 6
-        else:
-            return FAIL, start, []
-    return MORE, i, []
-
-
-_JSTR = _seq(_lit('"'), _strc, _lit('"'))
-_DIGITS = _chars(lambda c: c in string.digits)
-_NUM = _seq(_rep(_lit("-"), 0, 1), _alt(_lit("0"), _seq(_chars(lambda c: c in "123456789", 1, 1),
-                                                      _chars(lambda c: c in string.digits, 0))),
-            _rep(_seq(_lit("."), _DIGITS), 0, 1),
-            _rep(_seq(_alt(_lit("e"), _lit("E")), _rep(_chars(lambda c: c in "+-", 1, 1), 0, 1), _DIGITS), 0, 1),
-            _not(_chars(lambda c: c in "0123456789.eE+-", 1, 1)))
-_JSON: Parser = lambda s, i: _JSON_DEF(s, i)   # noqa: E731
-_MEMBER = _seq(_JSTR, _space, _lit(":"), _space, _JSON)
-_OBJ = _seq(_lit("{"), _space, _alt(_lit("}"), _seq(_MEMBER, _rep(_seq(_space, _lit(","), _space, _MEMBER)),
-                                                    _space, _lit("}"))))
-_ARR = _seq(_lit("["), _space, _alt(_lit("]"), _seq(_JSON, _rep(_seq(_space, _lit(","), _space, _JSON)),
-                                                    _space, _lit("]"))))
-_JSON_DEF = _alt(_OBJ, _ARR, _JSTR, _NUM, _lit("true"), _lit("false"), _lit("null"))
 
 # (string?) per parameter: True / False from the schema, None: either (only the names known)
 Params = List[Tuple[str, Optional[bool], bool]]
@@ -206,20 +139,6 @@ def _root(fmt: ToolFormat, opened: bool, calls: bool, schemas: Optional[Dict[str
 
 
 # ---- the mapper (common_chat_peg_mapper::map) ---------------------------------------------------------
-def _brace_depth(s: str) -> int:
-    depth, in_str, esc = 0, False, False
-    for c in s:
-        if esc:
-            esc = False
-        elif c == "\\" and in_str:
-            esc = True
-        elif c == '"':
-            in_str = not in_str
-        elif not in_str:
-            depth += (c == "{") - (c == "}")
-    return depth
-
-
 class _Map:
     def __init__(self, s: str):
         self.s = s

@@ -29,7 +29,9 @@ Formats built here (:data:`FORMATS`):
   template has one;
 * ``dsml`` / ``dsml4``: DeepSeek V3.2 / V4, ``<｜DSML｜function_calls>`` (V4 ``tool_calls``) around
   ``<｜DSML｜invoke name="NAME">`` and ``<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>``
-  (:mod:`.dsml`), a ``<think>`` block as reasoning.
+  (:mod:`.dsml`), a ``<think>`` block as reasoning;
+* ``deepseek31``: DeepSeek V3.1, ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>``
+  (:mod:`.deepseek31`), a ``<think>`` block as reasoning.
 
 Every other template that renders tools is refused with :class:`UnsupportedToolFormat`, whose
 message names the format (never a silent fallback to plain text).
@@ -132,6 +134,14 @@ _DSML4 = ToolFormat(**{**_DSML.__dict__, "name": "dsml4", "label": "DeepSeek V4 
 FORMATS.update({_DSML.name: _DSML, _DSML4.name: _DSML4})
 SUPPORTED = SUPPORTED.replace(", and templates", ", DeepSeek V3.2 / V4 DSML, and templates")
 
+# DeepSeek V3.1: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{JSON}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+# (:mod:`.deepseek31`, llama.cpp's autoparser); <think> reasoning; the template renders no tool list
+_DS31 = ToolFormat("deepseek31", "DeepSeek V3.1 <｜tool▁calls▁begin｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                   "", "arguments", trigger="<｜tool▁calls▁begin｜>", think=("<think>", "</think>"), codec="deepseek31",
+                   markers=("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"))
+FORMATS[_DS31.name] = _DS31
+SUPPORTED = SUPPORTED.replace(", and templates", ", DeepSeek V3.1, and templates")
+
 # markers of formats llama.cpp handles that we do not build (source markers, as chat.cpp's
 # common_chat_try_specialized_template looks for them): (needles that must all be present, name)
 _UNSUPPORTED: List[Tuple[Tuple[str, ...], str]] = [
@@ -141,7 +151,7 @@ _UNSUPPORTED: List[Tuple[Tuple[str, ...], str]] = [
     (("<arg_key>",), "GLM / Ling tagged arguments"),
     (("<|START_ACTION|>",), "Command R / Cohere"),
     (("<atem:function_calls>",), "Muse Glimmer"),
-    (("<｜tool▁calls▁begin｜>",), "DeepSeek V3.1 / R1 <｜tool▁calls▁begin｜>"),
+    (("<｜tool▁calls▁begin｜>",), "DeepSeek R1 <｜tool▁calls▁begin｜>function<｜tool▁sep｜>NAME ```json"),
 ]
 
 _PROBE_TOOLS = [{"type": "function", "function": {
@@ -254,6 +264,8 @@ def detect_format(source: str, caps: TemplateCaps) -> ToolFormat:
         return ToolFormat(**{**fmt.__dict__, "think": ("<think>", "</think>")}) if "<think>" in source else fmt
     if "dsml_token" in source and "DSML" in source and ("function_calls" in source or "tool_calls" in source):
         return _DSML if "function_calls" in source else _DSML4     # chat.cpp's tests (V4: no function_calls)
+    if "<｜tool▁calls▁begin｜>" in source and "<｜tool▁call▁begin｜>tool1<｜tool▁sep｜>" in caps.call_rendering:
+        return _DS31                        # V3.1 renders the probe's call so (R1: function<｜tool▁sep｜>tool1)
     for needles, name in _UNSUPPORTED:
         if all(n in source for n in needles):
             raise UnsupportedToolFormat(f"this model's chat template uses the {name} tool-call format, which "

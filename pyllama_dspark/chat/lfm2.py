@@ -40,49 +40,11 @@ def adjust_messages(msgs: List[dict]) -> List[dict]:
 
 
 # the PEG evaluator: :mod:`.peg`
-from pyllama_dspark.chat.peg import (CSPACE as _CSPACE, FAIL, MORE, OK, Parser, Result, alt as _alt, chars as _chars,  # noqa: E402
-                                     end as _end, eps as _eps, lit as _lit, not_ as _not, rep as _rep,
-                                     seq as _seq, space as _space)
+from pyllama_dspark.chat.peg import (CSPACE as _CSPACE, FAIL, MORE, OK, Parser, Result, alt as _alt,  # noqa: E402
+                                     brace_depth as _brace_depth, chars as _chars, end as _end, eps as _eps,
+                                     json_number, lit as _lit, rep as _rep, seq as _seq,
+                                     space as _space, string_inside as _strc, until as _until)
 Node = Tuple[str, int, int, bool, list]       # (tag, start, end, ended early, children)
-
-
-def _until(stop: str) -> Parser:
-    def p(s: str, i: int) -> Result:
-        while i < len(s):
-            if s.startswith(stop, i) or (len(s) - i < len(stop) and stop.startswith(s[i:])):
-                return OK, i, []
-            i += 1
-        return MORE, i, []
-    return p
-
-
-def _strc(q: str) -> Parser:
-    """The inside of a string quoted by ``q`` (JSON escapes and ``\\q``)."""
-    def p(s: str, i: int) -> Result:
-        start = i
-        while i < len(s):
-            c = s[i]
-            if c == q:
-                return OK, i, []
-            if c != "\\":
-                i += 1
-                continue
-            if i + 1 >= len(s):
-                return MORE, i, []
-            e = s[i + 1]
-            if e in q + "\\/bfnrt":
-                i += 2
-            elif e == "u":
-                for k in range(4):
-                    if i + 2 + k >= len(s):
-                        return MORE, i, []
-                    if s[i + 2 + k] not in string.hexdigits:
-                        return FAIL, start, []
-                i += 6
-            else:
-                return FAIL, start, []
-        return MORE, i, []
-    return p
 
 
 def _tag(tag: str, q: Parser, atomic: bool = False) -> Parser:
@@ -100,19 +62,13 @@ def _ref(get: Callable[[], Parser]) -> Parser:
 
 
 _PSTR = _alt(_seq(_lit('"'), _strc('"'), _lit('"')), _seq(_lit("'"), _strc("'"), _lit("'")))
-_NUM = _seq(_rep(_lit("-"), 0, 1), _alt(_lit("0"), _seq(_chars(lambda c: c in "123456789", 1, 1),
-                                                      _chars(str.isdigit, 0))),
-            _rep(_seq(_lit("."), _chars(lambda c: c in string.digits)), 0, 1),
-            _rep(_seq(_alt(_lit("e"), _lit("E")), _rep(_chars(lambda c: c in "+-", 1, 1), 0, 1),
-                      _chars(lambda c: c in string.digits)), 0, 1),
-            _not(_chars(lambda c: c in "0123456789.eE+-", 1, 1)))
 _VALUE: Parser = _ref(lambda: _VALUE_DEF)
 _MEMBER = _seq(_PSTR, _space, _lit(":"), _space, _VALUE)
 _DICT = _seq(_lit("{"), _space, _alt(_lit("}"), _seq(_MEMBER, _rep(_seq(_space, _lit(","), _space, _MEMBER)),
                                                      _space, _lit("}"))), _space)
 _ARRAY = _seq(_lit("["), _space, _alt(_lit("]"), _seq(_VALUE, _rep(_seq(_lit(","), _space, _VALUE)),
                                                       _space, _lit("]"))), _space)
-_VALUE_DEF = _alt(_DICT, _ARRAY, _PSTR, _NUM, *(_lit(w) for w in ("True", "False", "None", "true", "false", "null")))
+_VALUE_DEF = _alt(_DICT, _ARRAY, _PSTR, json_number, *(_lit(w) for w in ("True", "False", "None", "true", "false", "null")))
 _IDENT = _chars(lambda c: c not in "=(),[]{}\"'<>" and c not in _CSPACE)
 
 
@@ -210,20 +166,6 @@ def _to_json(v: str) -> str:
             out.append(c)
         i += 1
     return "".join(out)
-
-
-def _brace_depth(s: str) -> int:
-    depth, in_str, esc = 0, False, False
-    for c in s:
-        if esc:
-            esc = False
-        elif c == "\\" and in_str:
-            esc = True
-        elif c == '"':
-            in_str = not in_str
-        elif not in_str:
-            depth += (c == "{") - (c == "}")
-    return depth
 
 
 class _Map:

@@ -5,10 +5,11 @@ nodes are each module's own."""
 
 from __future__ import annotations
 
+import string
 from typing import Callable, Tuple
 
 __all__ = ["OK", "FAIL", "MORE", "Result", "Parser", "CSPACE", "lit", "seq", "alt", "rep", "chars", "not_", "space",
-           "eps", "end"]
+           "eps", "end", "rest", "until", "tag", "json_value", "json_number", "string_inside", "brace_depth"]
 
 CSPACE = " \t\n\r\v\f"      # C isspace
 
@@ -106,3 +107,88 @@ def eps(s: str, i: int) -> Result:
 
 def end(s: str, i: int) -> Result:
     return (OK if i >= len(s) else FAIL), i, []
+
+
+def rest(s: str, i: int) -> Result:
+    return OK, len(s), []
+
+
+def until(*stops: str) -> Parser:
+    """Text up to the first of ``stops`` (or up to a start of one that the text ends in)."""
+    def p(s: str, i: int) -> Result:
+        while i < len(s):
+            if any(s.startswith(w, i) or (len(s) - i < len(w) and w.startswith(s[i:])) for w in stops):
+                return OK, i, []
+            i += 1
+        return MORE, i, []
+    return p
+
+
+def tag(name: str, q: Parser, atomic: bool = False) -> Parser:
+    """A tagged node ``(name, start, end, children)``; ``atomic``: none while its text is not all there."""
+    def p(s: str, i: int) -> Result:
+        st, e, n = q(s, i)
+        if st == FAIL:
+            return st, e, n
+        return st, e, ([] if atomic and st == MORE else [(name, i, e, n)])
+    return p
+
+
+# ---- a JSON value (llama.cpp's p.json(): no whitespace before or after it) ------------------------------
+def string_inside(q: str) -> Parser:
+    """The inside of a string quoted by ``q`` (JSON escapes and ``\\q``)."""
+    def p(s: str, i: int) -> Result:
+        start = i
+        while i < len(s):
+            c = s[i]
+            if c == q:
+                return OK, i, []
+            if c != "\\":
+                i += 1
+                continue
+            if i + 1 >= len(s):
+                return MORE, i, []
+            e = s[i + 1]
+            if e in q + "\\/bfnrt":
+                i += 2
+            elif e == "u":
+                for k in range(4):
+                    if i + 2 + k >= len(s):
+                        return MORE, i, []
+                    if s[i + 2 + k] not in string.hexdigits:
+                        return FAIL, start, []
+                i += 6
+            else:
+                return FAIL, start, []
+        return MORE, i, []
+    return p
+
+
+_JSTR = seq(lit('"'), string_inside('"'), lit('"'))
+_DIGITS = chars(lambda c: c in string.digits)
+json_number = seq(rep(lit("-"), 0, 1), alt(lit("0"), seq(chars(lambda c: c in "123456789", 1, 1),
+                                                  chars(lambda c: c in string.digits, 0))),
+           rep(seq(lit("."), _DIGITS), 0, 1),
+           rep(seq(alt(lit("e"), lit("E")), rep(chars(lambda c: c in "+-", 1, 1), 0, 1), _DIGITS), 0, 1),
+           not_(chars(lambda c: c in "0123456789.eE+-", 1, 1)))
+json_value: Parser = lambda s, i: _JSON_DEF(s, i)   # noqa: E731
+_MEMBER = seq(_JSTR, space, lit(":"), space, json_value)
+_OBJ = seq(lit("{"), space, alt(lit("}"), seq(_MEMBER, rep(seq(space, lit(","), space, _MEMBER)), space, lit("}"))))
+_ARR = seq(lit("["), space, alt(lit("]"), seq(json_value, rep(seq(space, lit(","), space, json_value)),
+                                             space, lit("]"))))
+_JSON_DEF = alt(_OBJ, _ARR, _JSTR, json_number, lit("true"), lit("false"), lit("null"))
+
+
+def brace_depth(s: str) -> int:
+    """How many ``{`` of the JSON text ``s`` are still open (llama.cpp's ``json_brace_depth``)."""
+    depth, in_str, esc = 0, False, False
+    for c in s:
+        if esc:
+            esc = False
+        elif c == "\\" and in_str:
+            esc = True
+        elif c == '"':
+            in_str = not in_str
+        elif not in_str:
+            depth += (c == "{") - (c == "}")
+    return depth

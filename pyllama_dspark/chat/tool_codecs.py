@@ -14,7 +14,9 @@ JSON object ``{"name": ..., "arguments": {...}}`` between fixed markers, and :mo
 * ``adjust_messages(messages) -> messages`` (optional): the conversation as the format's template
   wants it, after :mod:`.tool_prompt`'s normalisation (GPT-OSS: ``reasoning_content`` -> ``thinking``);
 * ``WANTS_TOOLS`` (optional, True): ``parse`` takes ``tools=`` (the request's tools), bound by
-  :func:`parser` (Qwen3-Coder XML types each parameter's value by its schema).
+  :func:`parser` (Qwen3-Coder XML types each parameter's value by its schema);
+* ``WANTS_PROMPT`` (optional, True): ``grammar`` and ``parse`` take ``prompt=`` (the prompt text),
+  bound by :func:`grammar` / :func:`parser` (DeepSeek V3.1 reads the generation prompt's tail).
 
 One implementation per format behind one interface, as llama.cpp's ``common/parsers/*.cpp``.
 """
@@ -25,6 +27,7 @@ import functools
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from pyllama_dspark.chat import deepseek31
 from pyllama_dspark.chat import dsml
 from pyllama_dspark.chat import gemma4
 from pyllama_dspark.chat import harmony
@@ -43,6 +46,7 @@ CODECS["xml_calls"] = xml_calls    # Qwen3-Coder XML (Qwen3.5, Qwen3-Coder, Nemo
 CODECS["xml_calls_stepfun"] = xml_calls.STEPFUN    # ... StepFun 3.5 (its conversation trimmed)
 CODECS["dsml"] = dsml             # DeepSeek V3.2 DSML
 CODECS["dsml_v4"] = dsml.V4        # ... V4 (its block named tool_calls, tool results in call order)
+CODECS["deepseek31"] = deepseek31  # DeepSeek V3.1 (llama.cpp's autoparser)
 
 
 def _codec(fmt: Optional[ToolFormat]) -> Optional[ModuleType]:
@@ -52,21 +56,28 @@ def _codec(fmt: Optional[ToolFormat]) -> Optional[ModuleType]:
 
 
 def grammar(fmt: ToolFormat, tools: Sequence[dict], choice: Any, parallel: bool,
-            think: bool = True) -> Optional[ToolGrammar]:
-    """The request's grammar in ``fmt`` (:func:`.tool_grammar.tool_grammar`'s contract)."""
+            think: bool = True, prompt: Optional[str] = None) -> Optional[ToolGrammar]:
+    """The request's grammar in ``fmt`` (:func:`.tool_grammar.tool_grammar`'s contract); ``prompt``:
+    the prompt, for a codec that reads it."""
     c = _codec(fmt)
+    if c is not None and getattr(c, "WANTS_PROMPT", False):
+        return c.grammar(fmt, tools, choice, parallel, think, prompt=prompt)
     return (c.grammar if c is not None else tool_grammar)(fmt, tools, choice, parallel, think)
 
 
-def parser(fmt: Optional[ToolFormat], calls: bool = True, tools: Optional[Sequence[dict]] = None) -> Callable[..., Reply]:
+def parser(fmt: Optional[ToolFormat], calls: bool = True, tools: Optional[Sequence[dict]] = None,
+           prompt: Optional[str] = None) -> Callable[..., Reply]:
     """The reply parser of ``fmt`` (:func:`.parse.parse_reply`'s contract); ``calls`` False:
     the parser of a ``tool_choice: "none"`` reply (reasoning and content, no calls), as llama.cpp
     builds its parser without the tools there; ``tools``: the request's tools, bound for a codec
-    that reads the parameters' types (``WANTS_TOOLS``: Qwen3-Coder XML)."""
+    that reads the parameters' types (``WANTS_TOOLS``: Qwen3-Coder XML); ``prompt``: the prompt,
+    bound for a codec that reads it (``WANTS_PROMPT``)."""
     c = _codec(fmt)
     parse = c.parse if c is not None else parse_reply
     if tools is not None and getattr(c, "WANTS_TOOLS", False):
         parse = functools.partial(parse, tools=list(tools))
+    if prompt is not None and getattr(c, "WANTS_PROMPT", False):
+        parse = functools.partial(parse, prompt=prompt)
     return parse if calls else functools.partial(parse, calls=False)
 
 

@@ -192,7 +192,8 @@ class ToolPlan:
         if not self.parses:
             return None
         return ReplyDiffer(self.fmt, self.names, self.lstrip,
-                           parse=tool_codecs.parser(self.fmt, calls=self.choice != "none", tools=self.tools))
+                           parse=tool_codecs.parser(self.fmt, calls=self.choice != "none", tools=self.tools,
+                                                    prompt=self.prompt))
 
     def special_ids(self, target) -> List[int]:
         """Tokens of the format's markers, rendered in the reply's text even when they are control
@@ -218,6 +219,7 @@ def plan_tools(chat: ToolChat, messages: Sequence[dict], tools: Sequence[dict], 
     if fix is not None:
         r.prompt = fix(r.prompt)
     closed = fmt is not None and fmt.think is not None and r.prompt.rstrip().endswith(fmt.think[1])
-    grammar = tool_codecs.grammar(fmt, tools, choice, bool(parallel), not closed) if fmt is not None and tools else None
+    grammar = tool_codecs.grammar(fmt, tools, choice, bool(parallel), not closed, prompt=r.prompt) \
+        if fmt is not None and tools else None
     return ToolPlan(fmt, r.prompt, r.added_special, grammar, [t["function"]["name"] for t in tools], choice,
                     bool(parallel), closed, list(tools))
