@@ -4,7 +4,8 @@ Endpoints as llama-server routes them: ``POST /v1/chat/completions`` (and ``/cha
 ``POST /v1/completions`` (OpenAI; ``"stream": true`` sends server-sent events ending with
 ``data: [DONE]``), ``POST /completion`` and ``/completions`` (llama-server's native form,
 :mod:`.native`), ``POST /tokenize``, ``/detokenize``, ``/apply-template``, ``GET /props``,
-``/slots``, ``/metrics`` (with ``config.metrics``; :mod:`.routes_misc`), ``GET /v1/models`` (and
+``/slots``, ``/metrics`` (with ``config.metrics``; :mod:`.routes_misc`), ``POST /v1/messages`` and
+``/v1/messages/count_tokens`` (Anthropic Messages, :mod:`.anthropic_routes`), ``GET /v1/models`` (and
 ``/models``), ``GET /health`` (and ``/v1/health``).  Every non-streaming response and the last
 stream chunk carry llama-server's ``timings`` object; ``usage`` carries
 ``prompt_tokens_details.cached_tokens``; with ``logprobs`` / ``n_probs`` the token probabilities
@@ -41,6 +42,7 @@ from pyllama_dspark.serve import openai_format as fmt
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.serve.metrics import ServerMetrics
+from pyllama_dspark.serve.anthropic_routes import add_anthropic_routes
 from pyllama_dspark.serve.native import add_native_routes
 from pyllama_dspark.serve.oai_request import (GenRequest, RequestError, check_grammar, grammar_text, parse_json_body,
                                               parse_request, resolve_logit_bias, tokenize_mixed)
@@ -213,10 +215,11 @@ class Serving:
         return vals
 
     # ---- generation ----------------------------------------------------------------------------
-    async def start(self, request: Request, kind: str):
-        """Parse and check a generation request, submit its Job; (request, job, event queue)."""
+    async def start(self, request: Request, kind: str, body: Any = None):
+        """Parse and check a generation request (``body``: already decoded, else the request's),
+        submit its Job; (request, job, event queue)."""
         self.auth(request)
-        req = parse_request(await self.body(request), kind)
+        req = parse_request(await self.body(request) if body is None else body, kind)
         sampling = sampling_for(req, self.config.sampling_defaults)
         pool = self.pool
         reply = None
@@ -258,6 +261,59 @@ class Serving:
         except RuntimeError as e:   # the pool is closed: the server is shutting down
             raise RequestError(f"the server is shutting down ({e})", type="unavailable_error", code=503) from e
         return req, job, events
+
+    def prompt_tokens(self, req: GenRequest) -> List[int]:
+        """The prompt tokens a chat request would decode (its tools included); RequestError."""
+        if req.tools is None:
+            return prepare_prompt(self.pool, req)[0]
+        _, tokens, g = tool_prompt(self.pool, req)
+        if g is not None and not isinstance(g, str):
+            g.close()       # a lazy grammar, not used
+        return tokens
+
+    def completion(self, req: GenRequest, job: Job, ev: Done, kind: str, model: str) -> Dict[str, Any]:
+        """A finished job's OpenAI response (a chat completion with the parsed message where the
+        request had tools, else a chat or text completion)."""
+        st = ev.stats
+        lp = self.final_probs(ev, req) if job.n_probs > 0 else None
+        if job.reply is not None:
+            parsed, _, reason = job.reply.finish(ev, streamed=False)
+            msg = ToolReply.message(parsed) if parsed is not None else None
+            return fmt.chat_completion(fmt.new_id(kind), model, ev.text, reason, st.n_prompt, st.n_generated,
+                                       llama_timings(st), n_cached=st.n_cached, logprobs=lp, message=msg)
+        build = fmt.chat_completion if kind == "chat" else fmt.text_completion
+        return build(fmt.new_id(kind), model, ev.text, ev.finish_reason, st.n_prompt, st.n_generated,
+                     llama_timings(st), n_cached=st.n_cached, logprobs=lp)
+
+    async def replies(self, job: Job, events: "asyncio.Queue[Any]"):
+        """A streamed job's events: ``("delta", d)`` (a chat delta of a tool request),
+        ``("text", chunk)`` (a Chunk of any other), then ``("done", Done)`` (its finish reason
+        "tool_calls" when calls came, their last deltas before it) or ``("error", RequestError)``;
+        nothing more after a cancel.  The job is cancelled when the consumer goes away."""
+        tools = job.reply is not None and job.reply.differ is not None
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, Chunk) and tools:
+                    for d in job.reply.deltas(ev.tokens):
+                        yield "delta", d
+                elif isinstance(ev, Chunk):
+                    yield "text", ev
+                elif isinstance(ev, Done):
+                    if tools:   # the last deltas, and "tool_calls" as the finish reason
+                        _, last, ev.finish_reason = job.reply.finish(ev, streamed=True)
+                        for d in last:
+                            yield "delta", d
+                    yield "done", ev
+                    return
+                elif isinstance(ev, Cancelled):
+                    return
+                elif isinstance(ev, BaseException):
+                    yield "error", _engine_error(ev)
+                    return
+        finally:
+            # normal end: no-op; client gone (generator cancelled / closed): stop the generation
+            job.cancel()
 
     async def wait_done(self, request: Request, job: Job, events: "asyncio.Queue[Any]"):
         """The job's Done (non-streaming), or a 499 response when the client went away."""
@@ -333,6 +389,7 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
 
     add_misc_routes(app, srv)
     add_native_routes(app, srv)
+    add_anthropic_routes(app, srv)
 
     # ---- OpenAI generation ---------------------------------------------------------------------
     async def _complete(request: Request, kind: str):
@@ -343,16 +400,7 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
         ev = await srv.wait_done(request, job, events)
         if not isinstance(ev, Done):
             return ev
-        st = ev.stats
-        lp = srv.final_probs(ev, req) if job.n_probs > 0 else None
-        if job.reply is not None:
-            parsed, _, reason = job.reply.finish(ev, streamed=False)
-            msg = ToolReply.message(parsed) if parsed is not None else None
-            return fmt.chat_completion(fmt.new_id(kind), model, ev.text, reason, st.n_prompt, st.n_generated,
-                                       llama_timings(st), n_cached=st.n_cached, logprobs=lp, message=msg)
-        build = fmt.chat_completion if kind == "chat" else fmt.text_completion
-        return build(fmt.new_id(kind), model, ev.text, ev.finish_reason, st.n_prompt, st.n_generated,
-                     llama_timings(st), n_cached=st.n_cached, logprobs=lp)
+        return srv.completion(req, job, ev, kind, model)
 
     async def _stream(req: GenRequest, job: Job, events: "asyncio.Queue[Any]", kind: str, model: str):
         cid, created = fmt.new_id(kind), int(time.time())
@@ -369,42 +417,26 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
                 return json.dumps(fmt.chat_chunk(cid, model, created, delta, finish, timings, logprobs=lp))
             return json.dumps(fmt.text_chunk(cid, model, created, text or "", finish, timings, logprobs=lp))
 
-        try:
-            if kind == "chat":
-                yield {"data": chunk(role=True, text="")}
-            tools = job.reply is not None and job.reply.differ is not None
-            while True:
-                ev = await events.get()
-                if isinstance(ev, Chunk) and tools:
-                    for d in job.reply.deltas(ev.tokens):
-                        yield {"data": json.dumps(fmt.chat_chunk(cid, model, created, d))}
-                elif isinstance(ev, Chunk):
-                    if ev.text or (ev.probs and job.n_probs > 0):
-                        yield {"data": chunk(ev.text, probs=ev.probs)}
-                elif isinstance(ev, Done):
-                    st = ev.stats
-                    t = llama_timings(st)
-                    if tools:   # the last deltas, and "tool_calls" as the finish reason
-                        _, last, ev.finish_reason = job.reply.finish(ev, streamed=True)
-                        for d in last:
-                            yield {"data": json.dumps(fmt.chat_chunk(cid, model, created, d))}
-                    if req.include_usage:
-                        yield {"data": chunk(finish=ev.finish_reason)}
-                        yield {"data": json.dumps(fmt.usage_chunk(kind, cid, model, created, st.n_prompt,
-                                                                  st.n_generated, t, n_cached=st.n_cached))}
-                    else:
-                        yield {"data": chunk(finish=ev.finish_reason, timings=t)}
-                    yield {"data": "[DONE]"}
-                    return
-                elif isinstance(ev, Cancelled):
-                    return
-                elif isinstance(ev, BaseException):
-                    e = _engine_error(ev)
-                    yield {"data": json.dumps(fmt.error_body(e.message, e.type, e.code))}
-                    return
-        finally:
-            # normal end: no-op; client gone (generator cancelled / closed): stop the generation
-            job.cancel()
+        if kind == "chat":
+            yield {"data": chunk(role=True, text="")}
+        async for what, ev in srv.replies(job, events):
+            if what == "delta":
+                yield {"data": json.dumps(fmt.chat_chunk(cid, model, created, ev))}
+            elif what == "text":
+                if ev.text or (ev.probs and job.n_probs > 0):
+                    yield {"data": chunk(ev.text, probs=ev.probs)}
+            elif what == "done":
+                st = ev.stats
+                t = llama_timings(st)
+                if req.include_usage:
+                    yield {"data": chunk(finish=ev.finish_reason)}
+                    yield {"data": json.dumps(fmt.usage_chunk(kind, cid, model, created, st.n_prompt,
+                                                              st.n_generated, t, n_cached=st.n_cached))}
+                else:
+                    yield {"data": chunk(finish=ev.finish_reason, timings=t)}
+                yield {"data": "[DONE]"}
+            else:
+                yield {"data": json.dumps(fmt.error_body(ev.message, ev.type, ev.code))}
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
