@@ -52,7 +52,7 @@ os.environ.setdefault("PYLLAMA_DSPARK_SCHEDULE_MEMORY", "0")
 # ones to even out the end (a long file collected last would leave one worker running it alone)
 LONGEST_FIRST = ("test_lossless.py", "test_prompt_store.py", "test_parity_cpp.py", "test_tools_server.py", "test_schedule_heal.py",
                  "test_sampling_blocks.py",
-                 "test_sampling_e2e.py", "test_backend_sampling.py", "test_tools_dspark.py", "test_draft_types.py", "test_tools_deepseek31.py",
+                 "test_sampling_e2e.py", "test_backend_sampling.py", "test_tools_dspark.py", "test_draft_types.py", "test_tools_deepseek31.py", "test_anthropic.py", "test_responses.py",
                  "test_oracle_reanchor.py",
                  "test_integration_dspark.py", "test_serve.py", "test_integration_plugin.py", "test_batch.py",
                  "test_rpc.py", "test_cli_schedules.py", "test_interop.py", "test_interop_keys.py",

@@ -19,11 +19,9 @@ import anthropic
 import jsonschema
 import pytest
 
-import tool_targets as tt
-from greedy_ref import TEST_THREADS
-from serve_helpers import SESSION, ServeProcess
+from agent_servers import Servers, post as _post, url as _url
+from serve_helpers import SESSION
 from tool_targets import WEATHER
-from pyllama_dspark.paths import default_draft
 from pyllama_dspark.serve.anthropic import normalize_billing_header
 
 pytestmark = pytest.mark.slow
@@ -52,39 +50,9 @@ def _claude_code_body(cch: str = "a5145") -> dict:
 
 @pytest.fixture(scope="module")
 def servers(target_path, tmp_path_factory):
-    from pyllama_dspark.gguf.testing import make_test_draft
-    from pyllama_dspark.upstream.llama_server import LlamaServer
-    from pyllama_dspark.upstream.llama_server_build import ensure_llama_server
-
-    d = tmp_path_factory.mktemp("anthropic")
-    qwen = tt.build("qwen3", d)
-    files = {"smol": (target_path, default_draft()),
-             "qwen": (qwen, make_test_draft(qwen, str(d / "draft-qwen.gguf"), kind="dspark", seed=3))}
-    up = {}
-
-    def get(which: str):
-        if which not in up:
-            model, kind = which.split("-")
-            target, draft = files[model]
-            if kind == "cpp":
-                up[which] = LlamaServer(ensure_llama_server(), target, None, ctx=4096, threads=TEST_THREADS,
-                                        extra_args=["--jinja"], trace=False, log_path=d / f"{which}.log").start()
-            else:
-                up[which] = ServeProcess(target, draft if kind == "draft" else None, d / f"{which}.log", n_ctx=4096,
-                                         extra=["--schedule", "off"] if kind == "draft" else [])
-        return up[which]
-
+    get = Servers(target_path, tmp_path_factory.mktemp("anthropic"))
     yield get
-    for s in up.values():
-        s.stop()
-
-
-def _url(srv) -> str:
-    return srv.base_url if hasattr(srv, "base_url") else srv.url
-
-
-def _post(srv, path: str, body: dict):
-    return SESSION.post(_url(srv) + path, json=body, timeout=600)
+    get.stop()
 
 
 def _client(srv):

@@ -244,9 +244,10 @@ class EventShaper:
         self.index = -1             # the open block's index
         self.open: Optional[str] = None    # "thinking" | "text" | "tool:<n>"
 
-    def start(self, n_prompt: int, n_cached: int) -> Iterator[tuple]:
+    def start(self, n_prompt: int) -> Iterator[tuple]:
+        """``message_start`` (the prompt's tokens as input: the cached count is known at the end) and a ping."""
         msg = {"id": self.mid, "type": "message", "role": "assistant", "content": [], "model": self.model,
-               "stop_reason": None, "stop_sequence": None, "usage": _usage(n_prompt, n_cached, 0)}
+               "stop_reason": None, "stop_sequence": None, "usage": _usage(n_prompt, 0, 0)}
         yield "message_start", {"type": "message_start", "message": msg}
         yield "ping", {"type": "ping"}
 
@@ -284,13 +285,19 @@ class EventShaper:
             if fn.get("arguments"):
                 yield self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
 
-    def finish(self, finish_reason: Optional[str], stop_word: Optional[str], n_generated: int) -> Iterator[tuple]:
+    def done(self, ev: Any) -> Iterator[tuple]:
+        """The events that end the stream of a finished job (``ev``: its Done)."""
         yield from self._close()
-        reason = "stop_sequence" if stop_word else stop_reason(finish_reason)
+        st = ev.stats
+        reason = "stop_sequence" if ev.stop_word else stop_reason(ev.finish_reason)
         yield "message_delta", {"type": "message_delta",
-                                "delta": {"stop_reason": reason, "stop_sequence": stop_word or None},
-                                "usage": {"output_tokens": n_generated}}
+                                "delta": {"stop_reason": reason, "stop_sequence": ev.stop_word or None},
+                                "usage": {"output_tokens": st.n_generated, "input_tokens": st.n_prompt - st.n_cached,
+                                          "cache_read_input_tokens": st.n_cached}}
         yield "message_stop", {"type": "message_stop"}
+
+    def error(self, e: RequestError) -> tuple:
+        return "error", error_body(e)
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

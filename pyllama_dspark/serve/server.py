@@ -5,7 +5,8 @@ Endpoints as llama-server routes them: ``POST /v1/chat/completions`` (and ``/cha
 ``data: [DONE]``), ``POST /completion`` and ``/completions`` (llama-server's native form,
 :mod:`.native`), ``POST /tokenize``, ``/detokenize``, ``/apply-template``, ``GET /props``,
 ``/slots``, ``/metrics`` (with ``config.metrics``; :mod:`.routes_misc`), ``POST /v1/messages`` and
-``/v1/messages/count_tokens`` (Anthropic Messages, :mod:`.anthropic_routes`), ``GET /v1/models`` (and
+``/v1/messages/count_tokens`` (Anthropic Messages), ``POST /v1/responses`` and
+``/v1/responses/input_tokens`` (OpenAI Responses; :mod:`.agent_routes`), ``GET /v1/models`` (and
 ``/models``), ``GET /health`` (and ``/v1/health``).  Every non-streaming response and the last
 stream chunk carry llama-server's ``timings`` object; ``usage`` carries
 ``prompt_tokens_details.cached_tokens``; with ``logprobs`` / ``n_probs`` the token probabilities
@@ -42,7 +43,7 @@ from pyllama_dspark.serve import openai_format as fmt
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.serve.metrics import ServerMetrics
-from pyllama_dspark.serve.anthropic_routes import add_anthropic_routes
+from pyllama_dspark.serve.agent_routes import add_agent_routes
 from pyllama_dspark.serve.native import add_native_routes
 from pyllama_dspark.serve.oai_request import (GenRequest, RequestError, check_grammar, grammar_text, parse_json_body,
                                               parse_request, resolve_logit_bias, tokenize_mixed)
@@ -389,7 +390,7 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
 
     add_misc_routes(app, srv)
     add_native_routes(app, srv)
-    add_anthropic_routes(app, srv)
+    add_agent_routes(app, srv)
 
     # ---- OpenAI generation ---------------------------------------------------------------------
     async def _complete(request: Request, kind: str):
