@@ -1,6 +1,6 @@
 """The servers the agents'-API tests share (``test_anthropic.py``, ``test_responses.py``): for the real
-SmolLM2 target (``smol``, with the shipped drafter) and a random target carrying Qwen3's template
-(``qwen``, with a random draft), llama-server ``--jinja`` (``-cpp``), ``serve`` without a draft
+SmolLM2 target (``smol``, with the shipped drafter) and random targets carrying Qwen3's and Llama
+3.2's templates (``qwen``, ``llama3``, with a random draft), llama-server ``--jinja`` (``-cpp``), ``serve`` without a draft
 (``-plain``) and with one (``-draft``, schedule off: every block verified), each started on first use."""
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ class Servers:
         from pyllama_dspark.gguf.testing import make_test_draft
         from pyllama_dspark.paths import default_draft
 
-        qwen = tt.build("qwen3", d)
         self.d = d
-        self.files = {"smol": (target_path, default_draft()),
-                      "qwen": (qwen, make_test_draft(qwen, str(d / "draft-qwen.gguf"), kind="dspark", seed=3))}
+        self.files = {"smol": (target_path, default_draft())}
+        for name, kind in (("qwen", "qwen3"), ("llama3", "llama3")):
+            t = tt.build(kind, d)
+            self.files[name] = (t, make_test_draft(t, str(d / f"draft-{name}.gguf"), kind="dspark", seed=3))
         self.up: dict = {}
 
     def __call__(self, which: str):

@@ -79,6 +79,33 @@ def test_greedy_reply_is_llama_servers(servers, kind):
         assert (a["incomplete_details"] or {}).get("reason") == ("max_output_tokens" if cut else None)
 
 
+def test_function_call_is_llama_servers(servers):
+    """A required call on a Llama 3.2-templated target, steered into its call at once and with every
+    token that starts with whitespace banned (the two JSON-schema converters then admit the same
+    replies; docs/serve.md "Tools"): the same function call as llama-server's /v1/responses, with the
+    draft and without."""
+    import tool_targets as tt
+    from pyllama_dspark.decode.api import Speculator
+
+    cpp = servers("llama3-cpp")
+    with Speculator(servers.files["llama3"][0], None, n_ctx=256, n_threads=1) as sp:
+        target = sp.target
+        start = target.tokenize(tt.TARGETS["llama3"].start, False, True)[0]
+        bias = [[start, 30]] + [[i, False] for i in range(target.n_vocab) if target.token_to_piece(i, False)[:1].isspace()]
+    body = {"model": "m", "input": "Weather in Paris?", "tools": [TOOL], "tool_choice": "required",
+            "max_output_tokens": 48, "temperature": 0, "parallel_tool_calls": False, "logit_bias": bias}
+    theirs = _post(cpp, "/v1/responses", body)
+    assert theirs.status_code == 200, theirs.text
+    want = [(o["name"], json.loads(o["arguments"])) for o in theirs.json()["output"] if o["type"] == "function_call"]
+    assert want, theirs.text
+    for kind in ("plain", "draft"):
+        ours = _post(servers(f"llama3-{kind}"), "/v1/responses", body)
+        assert ours.status_code == 200, ours.text
+        got = [(o["name"], json.loads(o["arguments"])) for o in ours.json()["output"] if o["type"] == "function_call"]
+        assert got == want, (ours.text, theirs.text)
+        jsonschema.validate(got[0][1], TOOL["parameters"])
+
+
 def test_input_tokens_is_llama_servers(servers):
     cpp, ours = servers("qwen-cpp"), servers("qwen-plain")
     codex = _codex_body()
