@@ -201,11 +201,27 @@ def _check_speculator(out, refs):
     assert stats["schedule"].startswith("schedule auto"), stats
 
 
+def _check_session(out, refs):
+    """docs/usage.md's kept-prompt conversation: both replies are Llama's own greedy output for the
+    conversation so far, and the second turn reused at least the first turn's prompt."""
+    import ast
+
+    first, second, last = out.rstrip("\n").split("\n")
+    chat = _user("Name a fruit.")
+    assert first == refs.chat(chat, 8)["choices"][0]["message"]["content"], first
+    chat = chat + [{"role": "assistant", "content": first}, {"role": "user", "content": "What colour is it?"}]
+    assert second == refs.chat(chat, 8)["choices"][0]["message"]["content"], second
+    cache_n, _, info = last.partition(" ")
+    assert int(cache_n) >= len(refs.chat_tokens(_user("Name a fruit."))) - 1, last
+    assert ast.literal_eval(info)["states"] >= 0, info
+
+
 #: what each snippet must print, recognised by a line of its code (the prompts are the snippets' own)
 CHECKS = [
+    ("cache_prompt=True, cache_ram=256", _check_session),
     ("DSparkDraftModel(llm", _check_plugin),
     ("DSpark.from_llama(", _check_from_llama),
-    ('with DSpark("target.gguf"', _check_dspark),
+    ('with DSpark("target.gguf", "draft.gguf", n_max=7)', _check_dspark),
     ('with Speculator("target.gguf"', _check_speculator),
 ]
 
