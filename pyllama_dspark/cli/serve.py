@@ -80,11 +80,13 @@ def build_pool(target: str, draft, *, n_slots: int, n_ctx: int, n_batch: int, n_
 @offload_options
 @click.option("--api-key", default=None, envvar="LLAMA_API_KEY", help="Require 'Authorization: Bearer KEY'.")
 @click.option("-a", "--alias", default=None, help="Model name in /v1/models and responses.")
+@click.option("--webui/--no-webui", "webui", default=True, show_default=True,
+              help="Serve the web page at / (a chat that shows what the draft got right).")
 @sampling_options
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
 @with_schedule_options
 def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_ctx, n_batch, n_ubatch, threads, flash_attn,
-          n_gpu_layers, offload, api_key, alias, kv_unified, slot_similarity, metrics, cache_ram, cache_idle_slots,
+          n_gpu_layers, offload, api_key, alias, webui, kv_unified, slot_similarity, metrics, cache_ram, cache_idle_slots,
           ctx_checkpoints, temp, top_k, top_p, min_p, seed,
           repeat_penalty, repeat_last_n,
           presence_penalty, frequency_penalty, verbose, schedule, conf_min, p_survival_min, calibration,
@@ -163,7 +165,8 @@ def serve(model, draft, spec_type, n_max, host, port, n_slots, cont_batching, n_
         log.info("main: hybrid target: recurrent state %.2f MiB per slot, %d snapshots per slot (n_rs_seq) %.2f MiB, "
                  "x %d slots", rs["state_bytes"] / 2**20, rs["n_rs_seq"], rs["snapshot_bytes"] / 2**20, pool.n_slots)
     config = ServerConfig(model_id=alias or os.path.basename(target), api_key=api_key,
-                          sampling_defaults=defaults, model_meta=meta, metrics=bool(metrics), model_path=target)
+                          sampling_defaults=defaults, model_meta=meta, metrics=bool(metrics), model_path=target,
+                          webui=webui)
     app = create_app(pool, config)
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding to %s: the server is reachable from other machines%s", host,

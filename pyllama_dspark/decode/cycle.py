@@ -128,10 +128,16 @@ class Stats:
 @dataclass
 class Chunk:
     """Tokens emitted by one cycle and the text they completed (held back near stop strings);
-    ``probs``: one :class:`~..speculative.logprobs.TokenProb` per token when the request asked for them."""
+    ``probs``: one :class:`~..speculative.logprobs.TokenProb` per token when the request asked for them.
+    ``trace`` (a request with ``trace``): per cycle whose tokens these are, ``(cycle, drafted,
+    verified, accepted, n_tokens)``; a cycle's first ``min(accepted, n_tokens)`` tokens are accepted
+    drafts, the rest the target's own (the prefill's token is cycle 0, ``(0, 0, 0, 0, 1)``).  ``timings``: the
+    request's llama-server ``timings`` so far (with ``trace``)."""
     tokens: List[int]
     text: str
     probs: Optional[list] = None
+    trace: Optional[list] = None
+    timings: Optional[dict] = None
 
 
 @dataclass

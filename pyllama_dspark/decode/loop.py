@@ -37,7 +37,7 @@ import numpy as np
 from pyllama_dspark.decode.cycle import Chunk, Done, OneHotRows, PieceCache, Started, TargetRows
 from pyllama_dspark.decode.prefill import prefill
 from pyllama_dspark.decode.prompt_cache import CTX_CHECKPOINTS, SLOT_PROMPT_SIMILARITY, PromptCache
-from pyllama_dspark.decode.request import Request, grammar_cut, make_request, token_probs
+from pyllama_dspark.decode.request import Request, chunk_trace, grammar_cut, make_request, token_probs
 from pyllama_dspark.llama.handles import Draft, RowBuffers, Target
 from pyllama_dspark.llama.recurrent import VerifyCheckpoints
 from pyllama_dspark.speculative.drafter import (BlockRequest, DraftModelProposer, NoDraft, Proposer, check_n_max,
@@ -156,7 +156,8 @@ class Decoder:
     def submit(self, prompt: Sequence[int], max_tokens: int = 256, stop: Sequence[str] = (), *,
                sampling: Optional[SamplingParams] = None, ignore_eos: bool = False,
                n_max: Optional[int] = None, reuse_prefix: bool = False, grammar=None,
-               logit_bias: Optional[dict] = None, n_probs: int = 0, post_sampling_probs: bool = False) -> int:
+               logit_bias: Optional[dict] = None, n_probs: int = 0, post_sampling_probs: bool = False,
+               trace: bool = False) -> int:
         """Queue one request; returns its id.
 
         ``sampling`` None (or temperature 0 without penalties) is greedy decoding, otherwise
@@ -170,11 +171,13 @@ class Decoder:
         the target constrained by it (llama.cpp's grammar engine).  ``logit_bias``: {token id:
         bias} added to the target's logits (-inf: never drawn).  ``n_probs`` > 0: a
         :class:`~..speculative.logprobs.TokenProb` per emitted token (``Chunk.probs`` / ``Done.probs``),
-        from the target's rows (``post_sampling_probs``: after the sampler chain)."""
+        from the target's rows (``post_sampling_probs``: after the sampler chain).  ``trace``: each
+        streamed Chunk says which of its tokens were accepted drafts, per cycle (``Chunk.trace``),
+        and carries the request's timings so far."""
         s = make_request(self._next_rid, self.target, self._pieces, self.eog, self.n_ctx_seq, self._max_draft, prompt,
                          max_tokens, stop, sampling=sampling, ignore_eos=ignore_eos, n_max=n_max,
                          reuse_prefix=reuse_prefix, grammar=grammar, logit_bias=logit_bias, n_probs=n_probs,
-                         post_sampling_probs=post_sampling_probs)
+                         post_sampling_probs=post_sampling_probs, trace=trace)
         self._next_rid += 1
         self._queue.append(s)
         return s.rid
@@ -231,7 +234,14 @@ class Decoder:
         return True
 
     # ---- emitting and finishing -------------------------------------------------------------------
-    def _emit(self, s: Request, toks: List[int]) -> None:
+    def _emit(self, s: Request, toks: List[int], cycle: tuple = (0, 0, 0)) -> None:
+        """Emit ``toks`` (EOG, stop strings, max_tokens cut them); ``cycle``: (drafted, verified, accepted)."""
+        n0 = len(s.out)
+        self._push(s, toks)
+        if s.trace is not None:
+            s.trace.append((s.stats.cycles, *cycle, len(s.out) - n0))
+
+    def _push(self, s: Request, toks: List[int]) -> None:
         eog, text = None if s.ignore_eos else self.eog, s.text
         probs, s.pending_probs = s.pending_probs, []
         for j, t in enumerate(toks):
@@ -255,7 +265,7 @@ class Decoder:
     def _stream_pending(self, s: Request) -> None:
         """A running request's new tokens as a Chunk event (streaming)."""
         if self.streaming and s.pending:
-            self._events.append((s.rid, Chunk(s.pending, s.text.flush(), self._pending_probs(s))))
+            self._events.append((s.rid, Chunk(s.pending, s.text.flush(), self._pending_probs(s), *chunk_trace(s))))
             s.pending = []
 
     @staticmethod
@@ -286,7 +296,7 @@ class Decoder:
         done = Done(s.out, s.text.text, s.finish, s.stats, s.text.stop_word, s.probs if s.n_probs else None)
         if self.streaming:
             if s.pending or tail:
-                self._events.append((s.rid, Chunk(s.pending, tail, self._pending_probs(s))))
+                self._events.append((s.rid, Chunk(s.pending, tail, self._pending_probs(s), *chunk_trace(s))))
             self._events.append((s.rid, done))
         else:
             self._done[s.rid] = done
@@ -425,7 +435,7 @@ class Decoder:
                     prop.rollback(s.pos0 + n_acc + 1, s.seq_id)
             s.pos0 += n_acc + 1
             s.anchor = emitted[-1]
-            self._emit(s, emitted)
+            self._emit(s, emitted, (0 if drafts[r] is None else len(drafts[r]), k, n_acc))
         if undo is not None:
             undo.replay()
         t3 = clock()

@@ -10,12 +10,15 @@ argmax, and the accept rule reduces to "draft == that argmax".
 
 from __future__ import annotations
 
+import copy
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import numpy as np
 
 from pyllama_dspark.decode.cycle import Stats, TextStream, check_prompt
+from pyllama_dspark.decode.timings import llama_timings
 from pyllama_dspark.speculative import logprobs as lp
 from pyllama_dspark.speculative.dist import Dist
 from pyllama_dspark.speculative.drafter import check_n_max
@@ -44,6 +47,8 @@ class Request:
     finish: Optional[str] = None
     stats: Stats = field(default_factory=Stats)
     t_start: float = 0.0
+    # trace: per cycle not yet handed out, (drafted, verified, accepted, tokens emitted); None: off
+    trace: Optional[List[tuple]] = None
 
 
 def check_logit_bias(logit_bias, n_vocab: int) -> Optional[dict]:
@@ -80,7 +85,7 @@ def make_grammar(grammar, target):
 def make_request(rid: int, target, pieces, eog: np.ndarray, n_ctx_seq: int, max_draft: int, prompt: Sequence[int],
                  max_tokens: int, stop: Sequence[str], *, sampling: Optional[SamplingParams], ignore_eos: bool,
                  n_max: Optional[int], reuse_prefix: bool, grammar=None, logit_bias=None, n_probs: int = 0,
-                 post_sampling_probs: bool = False) -> Request:
+                 post_sampling_probs: bool = False, trace: bool = False) -> Request:
     """A checked request (see :meth:`~.loop.Decoder.submit` for the arguments)."""
     toks = check_prompt(prompt, target.n_vocab, n_ctx_seq)
     if isinstance(max_tokens, bool) or int(max_tokens) <= 0:
@@ -94,7 +99,8 @@ def make_request(rid: int, target, pieces, eog: np.ndarray, n_ctx_seq: int, max_
     if isinstance(n_probs, bool) or not isinstance(n_probs, (int, np.integer)) or n_probs < 0:
         raise ValueError(f"n_probs must be an integer >= 0, got {n_probs!r}")
     bias = check_logit_bias(logit_bias, target.n_vocab)
-    n = max_draft if n_max is None else min(check_n_max(n_max), max_draft)
+    # n_max 0: this request drafts nothing (llama-server's per-request speculative.n_max)
+    n = max_draft if n_max is None else 0 if n_max == 0 and not isinstance(n_max, bool) else min(check_n_max(n_max), max_draft)
     smp = None
     greedy_argmax = sampling is None or (sampling.is_greedy and not sampling.has_penalties)
     if not greedy_argmax or bias or grammar is not None:
@@ -106,7 +112,20 @@ def make_request(rid: int, target, pieces, eog: np.ndarray, n_ctx_seq: int, max_
     s = Request(rid, toks, int(max_tokens), n, TextStream(pieces, stop), smp=smp, ignore_eos=ignore_eos,
                 reuse=bool(reuse_prefix), n_probs=int(n_probs), post_probs=bool(post_sampling_probs))
     s.stats.seed = None if smp is None else smp.seed
+    s.trace = [] if trace else None
     return s
+
+
+def chunk_trace(s: Request) -> tuple:
+    """A streamed chunk's ``(trace, timings)`` (:class:`~.cycle.Chunk`): the cycles not yet handed
+    out and the request's ``timings`` so far; ``(None, None)`` for a request without ``trace``."""
+    if s.trace is None:
+        return None, None
+    trace, s.trace = s.trace, []
+    st = copy.copy(s.stats)
+    st.n_generated = len(s.out)
+    st.ms_total = (time.perf_counter() - s.t_start) * 1e3 - st.ms_prefill - st.ms_hidden
+    return trace, llama_timings(st)
 
 
 def device_greedy(s: Request) -> bool:

@@ -43,6 +43,7 @@ from pyllama_dspark.chat.prompt import chat_formatter
 from pyllama_dspark.speculative.drafter import DraftModelProposer, NoDraft, check_n_max, clamp_n_max
 from pyllama_dspark.decode.engine import SpecDecoder
 from pyllama_dspark.decode.cycle import Chunk, Done
+from pyllama_dspark.decode.trace import trace_json
 from pyllama_dspark.errors import ContextOverflowError
 from pyllama_dspark.llama.borrowed import BorrowedTarget
 from pyllama_dspark.llama.handles import Draft, Owned
@@ -75,6 +76,8 @@ class _LlamaStandIn:
         self._owner = owner
         self.verbose = False
         self.last: Optional[Done] = None
+        self.trace_on = False             # create_chat_completion(dspark_trace=True)
+        self.trace: Optional[dict] = None   # the trace of the completion chunk last pulled
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> List[int]:
         return self._owner.target.tokenize(text, add_special=add_bos, parse_special=special)
@@ -217,15 +220,20 @@ class DSpark(Owned):
                           repeat_penalty: float = 1.0, top_k: int = 40, stream: bool = False,
                           seed: Optional[int] = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
                           mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: Optional[str] = None,
-                          stopping_criteria=None, logits_processor=None, grammar=None, logit_bias=None):
-        """Like ``Llama.create_completion``: a completion dict, or an iterator of chunks (stream)."""
+                          stopping_criteria=None, logits_processor=None, grammar=None, logit_bias=None,
+                          dspark_trace: bool = False):
+        """Like ``Llama.create_completion``: a completion dict, or an iterator of chunks (stream).
+        ``dspark_trace`` (streaming): every chunk carries ``dspark_trace``, what its tokens were
+        (accepted drafts or the target's own) and what each cycle drafted, verified and accepted
+        (:mod:`~pyllama_dspark.decode.trace`, the schema of ``serve``'s field of that name)."""
         _unsupported(stopping_criteria=stopping_criteria is not None)
         return self._completion(prompt, suffix=suffix, max_tokens=max_tokens, temperature=temperature,
                                 top_p=top_p, min_p=min_p, typical_p=typical_p, logprobs=logprobs, echo=echo,
                                 stop=stop, frequency_penalty=frequency_penalty,
                                 presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k,
                                 stream=stream, seed=seed, mirostat_mode=mirostat_mode, model=model,
-                                logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
+                                logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias,
+                                dspark_trace=dspark_trace)
 
     __call__ = create_completion
 
@@ -239,12 +247,15 @@ class DSpark(Owned):
                                mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: Optional[str] = None,
                                logits_processor=None, grammar=None, logit_bias=None,
                                logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
-                               parallel_tool_calls: Optional[bool] = None, chat_template_kwargs: Optional[dict] = None):
+                               parallel_tool_calls: Optional[bool] = None, chat_template_kwargs: Optional[dict] = None,
+                               dspark_trace: bool = False):
         """Like ``Llama.create_chat_completion`` (the prompt and the dict conversion are done by
         llama-cpp-python's chat handler); ``timings`` is added to the response / the last chunk.
         With ``tools`` (or tool turns in ``messages``) and the GGUF's own template: ``serve``'s tool
         calls (:mod:`.dspark_tools`; ``parallel_tool_calls`` as in the OpenAI API,
-        ``chat_template_kwargs`` as llama-server's, e.g. ``{"enable_thinking": False}``)."""
+        ``chat_template_kwargs`` as llama-server's, e.g. ``{"enable_thinking": False}``).
+        ``dspark_trace`` (streaming, without tools): every content chunk carries ``dspark_trace``
+        (see :meth:`create_completion`)."""
         self._alive()
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -266,6 +277,7 @@ class DSpark(Owned):
             return tool_chat(self.target, plan, run, stream=stream, n_completion=self._n_completion,
                              model=model if model is not None else self.model_path, stop=stop)
         stand_in = _LlamaStandIn(self)
+        stand_in.trace_on = bool(dspark_trace)
         out = self._handler(
             llama=stand_in, messages=list(messages), functions=functions, function_call=function_call,
             tools=tools, tool_choice=tool_choice, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -287,6 +299,10 @@ class DSpark(Owned):
         for ch in chunks:
             if ch["choices"] and ch["choices"][0].get("finish_reason") is not None and stand_in.last is not None:
                 ch["timings"] = oai.timings(stand_in.last.stats)
+            # llama-cpp-python turns each completion chunk into one chat chunk (after the first,
+            # a role-only chunk): the trace goes with the chunk of the same tokens
+            if stand_in.trace is not None and ch["choices"] and ch["choices"][0]["delta"].get("role") is None:
+                ch["dspark_trace"], stand_in.trace = stand_in.trace, None
             yield ch
 
     # ---- the shared core ---------------------------------------------------------------------
@@ -323,7 +339,7 @@ class DSpark(Owned):
                     temperature=0.8, top_p=0.95, min_p=0.05, typical_p=1.0, logprobs=None, echo=False, stop=None,
                     frequency_penalty=0.0, presence_penalty=0.0, repeat_penalty=1.0, top_k=40, stream=False,
                     seed=None, mirostat_mode=0, model=None, logits_processor=None, grammar=None,
-                    logit_bias=None, **_ignored):
+                    logit_bias=None, dspark_trace=False, **_ignored):
         self._alive()
         _unsupported(suffix=suffix is not None, logprobs=logprobs is not None,
                      logits_processor=logits_processor is not None)
@@ -334,7 +350,8 @@ class DSpark(Owned):
         events = self._run(tokens, gbnf, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
                            typical_p=typical_p, stop=stop, frequency_penalty=frequency_penalty,
                            presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k, seed=seed,
-                           mirostat_mode=mirostat_mode, logit_bias=logit_bias)
+                           mirostat_mode=mirostat_mode, logit_bias=logit_bias,
+                           trace=bool(stream and (dspark_trace or (stand_in is not None and stand_in.trace_on))))
         head = (oai.new_completion_id(), oai.now(), model if model is not None else self.model_path)
         if stream:   # like Llama: echo applies to non-streaming responses only
             return self._chunks(events, head, len(tokens), stand_in)
@@ -348,7 +365,7 @@ class DSpark(Owned):
 
     def _run(self, tokens: List[int], grammar, *, max_tokens=16, temperature=0.8, top_p=0.95, min_p=0.05,
              typical_p=1.0, stop=None, frequency_penalty=0.0, presence_penalty=0.0, repeat_penalty=1.0, top_k=40,
-             seed=None, mirostat_mode=0, logit_bias=None):
+             seed=None, mirostat_mode=0, logit_bias=None, trace=False):
         """The engine's events for a tokenized prompt (``grammar``: GBNF text or a compiled Grammar)."""
         bias = {int(k): float(v) for k, v in logit_bias.items()} if logit_bias else None
         n_ctx = self.target.n_ctx
@@ -364,17 +381,25 @@ class DSpark(Owned):
                 self.decoder.forget()
             self._llm.reset()   # the shared KV is about to hold our sequence, not the Llama's
         return self.decoder.stream(tokens, int(max_tokens), n_max=self.n_max, stop=stops, sampling=sampling,
-                                   reuse_prefix=self.cache_prompt, grammar=grammar, logit_bias=bias)
+                                   reuse_prefix=self.cache_prompt, grammar=grammar, logit_bias=bias, trace=trace)
 
     def _chunks(self, events, head, n_prompt: int, stand_in) -> Iterator[dict]:
         for ev in events:
             if isinstance(ev, Chunk):
-                if ev.text:
+                if ev.trace is not None:   # dspark_trace: every chunk, its text empty or not
+                    tr = trace_json(ev.tokens, ev.trace, self._piece)
+                    if stand_in is not None:
+                        stand_in.trace = tr
+                    yield {**oai.completion_chunk(*head, ev.text), "dspark_trace": tr}
+                elif ev.text:
                     yield oai.completion_chunk(*head, ev.text)
             else:
                 self._finish(ev, stand_in)
                 yield oai.completion_chunk(*head, "", ev.finish_reason,
                                            oai.usage(n_prompt, self._n_completion(ev)), oai.timings(ev.stats))
+
+    def _piece(self, token: int) -> bytes:
+        return bytes(self.target.token_to_piece(int(token), False))
 
     def _finish(self, done: Done, stand_in) -> None:
         self.last_stats = done.stats

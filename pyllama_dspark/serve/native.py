@@ -28,6 +28,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from pyllama_dspark.decode.cycle import Chunk, Done
 from pyllama_dspark.decode.timings import llama_timings
+
 from pyllama_dspark.serve import openai_format as fmt
 from pyllama_dspark.serve.oai_request import GenRequest
 from pyllama_dspark.serve.slots import Cancelled
@@ -127,7 +128,8 @@ async def _stream(srv: Any, req: GenRequest, job: Any, events, model: str):
             if isinstance(ev, Chunk):
                 n_decoded += len(ev.tokens)
                 if ev.tokens or ev.text:
-                    yield {"data": json.dumps(partial_json(srv, req, job, ev, n_decoded))}
+                    yield {"data": json.dumps({**partial_json(srv, req, job, ev, n_decoded),
+                                               **fmt.chunk_extras(req, ev, srv.piece)})}
             elif isinstance(ev, Done):
                 yield {"data": json.dumps(final_json(srv, req, job, ev, model))}
                 return

@@ -12,7 +12,9 @@ llama-server does; -1 = until the context is full), ``temperature``, ``top_k``, 
 ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``, ``stop``
 (string or list), ``stream``, ``stream_options.include_usage``, ``ignore_eos``, ``n`` (must be 1),
 ``model`` (echoed only), ``cache_prompt`` (default true), ``return_tokens``, ``id_slot`` (checked,
-then ignored: the pool picks the slot);
+then ignored: the pool picks the slot), ``speculative.n_max`` (this request's draft block, 0: no
+draft), ``timings_per_token`` and ``dspark_trace`` (streaming: per chunk, the timings so far and
+what was drafted and accepted; docs/serve.md);
 
 * constraints: ``grammar`` (GBNF text), ``json_schema`` (an object; ``{}`` = any object), and on
   chat ``response_format`` (``{"type": "text" | "json_object" [, "schema"] | "json_schema",
@@ -118,6 +120,9 @@ class GenRequest:
     cache_prompt: bool = True
     return_tokens: bool = False                 # native: the generated ids in "tokens"
     id_slot: int = -1                           # accepted, ignored (the pool picks the slot)
+    n_max: Optional[int] = None                 # "speculative.n_max": this request's draft block (0: no draft)
+    timings_per_token: bool = False             # streaming: every chunk carries the timings so far
+    trace: bool = False                         # "dspark_trace": every streamed chunk says what was drafted
 
 
 def _int_field(body: dict, name: str) -> Optional[int]:
@@ -213,6 +218,17 @@ def _constraints(body: dict, req: GenRequest) -> None:
         schema = {"type": "object"}   # an empty schema means any object
     req.json_schema = schema
     req.grammar = g or None
+
+
+def _speculation(body: dict, req: GenRequest) -> None:
+    """``speculative.n_max`` (llama-server's name, a flat key: >= 0, 0 = no draft for this request;
+    clamped to the server's draft block), ``timings_per_token`` and ``dspark_trace``."""
+    n = _int_field(body, "speculative.n_max")
+    if n is not None and n < 0:
+        raise RequestError(f"'speculative.n_max' must be >= 0, got {n}", param="speculative.n_max")
+    req.n_max = n
+    req.timings_per_token = _bool(body, "timings_per_token")
+    req.trace = _bool(body, "dspark_trace")
 
 
 def _probs(body: dict, req: GenRequest) -> None:
@@ -408,6 +424,7 @@ def parse_request(body: Any, kind: str) -> GenRequest:
             raise RequestError(f"'{name}' must be <= {hi}, got {v}", param=name)
         req.sampling[_SAMPLING_NAMES.get(name, name)] = v
 
+    _speculation(body, req)
     _constraints(body, req)
     _probs(body, req)
     req.logit_bias = _logit_bias(body)

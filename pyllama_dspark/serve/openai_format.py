@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from pyllama_dspark.decode.trace import trace_json
+
 # what llama-server writes for log(0): the lowest float (its JSON library would turn -inf into null)
 LOG_ZERO = float(np.finfo(np.float32).min)
 
@@ -153,3 +155,14 @@ def models_list(model_id: str, meta: Optional[Dict[str, Any]] = None, created: O
     if meta:
         m["meta"] = meta
     return {"object": "list", "data": [m]}
+
+
+def chunk_extras(req: Any, ev: Any, piece: Callable[[int], bytes]) -> Dict[str, Any]:
+    """What a streamed chunk adds for the request: ``timings`` (``timings_per_token``) and
+    ``dspark_trace`` (``dspark_trace``), from the Chunk ``ev``; {} when neither was asked."""
+    extra: Dict[str, Any] = {}
+    if getattr(req, "timings_per_token", False) and ev.timings is not None:
+        extra["timings"] = ev.timings
+    if getattr(req, "trace", False) and ev.trace is not None:
+        extra["dspark_trace"] = trace_json(ev.tokens, ev.trace, piece)
+    return extra

@@ -8,7 +8,8 @@
   request would decode, from the same chat template (with ``tools``, as the template renders them);
 * ``GET /props``: ``default_generation_settings`` (``params``, ``n_ctx``), ``total_slots``,
   ``model_alias``, ``model_path``, ``modalities``, ``endpoint_slots`` / ``_props`` / ``_metrics``,
-  ``chat_template``, ``bos_token``, ``eos_token``, ``build_info``, ``is_sleeping``;
+  ``chat_template``, ``bos_token``, ``eos_token``, ``build_info``, ``is_sleeping``, and ours:
+  ``dspark`` (``draft``, ``draft_kind``, ``n_max``: the draft the server runs);
 * ``GET /slots``: the pool's ``slots_info()`` (llama-server's per-slot objects; ``?fail_on_no_slot=1``
   answers 503 when no slot is idle);
 * ``GET /metrics``: Prometheus text (:mod:`.metrics`) when the server runs with ``--metrics``,
@@ -128,6 +129,8 @@ def props_body(srv: Any) -> Dict[str, Any]:
         "eos_token": _token_text(target, "eos"),
         "build_info": _build_info(),
         "is_sleeping": False,
+        # the draft the server runs (the web page shows it): its file, kind and block (0: no draft)
+        "dspark": {k: config.model_meta.get(k) for k in ("draft", "draft_kind", "n_max")},
         **({"recurrent_state": config.model_meta["recurrent_state"]} if "recurrent_state" in config.model_meta else {}),
     }
 

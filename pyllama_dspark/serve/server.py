@@ -4,7 +4,8 @@ Endpoints as llama-server routes them: ``POST /v1/chat/completions`` (and ``/cha
 ``POST /v1/completions`` (OpenAI; ``"stream": true`` sends server-sent events ending with
 ``data: [DONE]``), ``POST /completion`` and ``/completions`` (llama-server's native form,
 :mod:`.native`), ``POST /tokenize``, ``/detokenize``, ``/apply-template``, ``GET /props``,
-``/slots``, ``/metrics`` (with ``config.metrics``; :mod:`.routes_misc`), ``POST /v1/messages`` and
+``/slots``, ``/metrics`` (with ``config.metrics``; :mod:`.routes_misc`), ``GET /`` (the web page,
+:mod:`.webui`), ``POST /v1/messages`` and
 ``/v1/messages/count_tokens`` (Anthropic Messages), ``POST /v1/responses`` and
 ``/v1/responses/input_tokens`` (OpenAI Responses; :mod:`.agent_routes`), ``GET /v1/models`` (and
 ``/models``), ``GET /health`` (and ``/v1/health``).  Every non-streaming response and the last
@@ -50,6 +51,8 @@ from pyllama_dspark.serve.oai_request import (GenRequest, RequestError, check_gr
 from pyllama_dspark.serve.routes_misc import add_misc_routes
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
 from pyllama_dspark.serve.tool_serving import ToolReply, tool_prompt
+
+from pyllama_dspark.serve.webui import add_webui_routes
 from pyllama_dspark.decode.timings import llama_timings
 from pyllama_dspark.speculative.sampling_params import SamplingParams
 
@@ -79,6 +82,7 @@ class ServerConfig:
     model_meta: Dict[str, Any] = field(default_factory=dict)
     metrics: bool = False                  # `serve --metrics`: GET /metrics answers (else 501, as llama-server)
     model_path: Optional[str] = None       # /props "model_path" (default: model_id)
+    webui: bool = True                     # GET / serves the web page (`serve --no-webui`: off)
 
 
 def sampling_for(req: GenRequest, defaults: Dict[str, Any]):
@@ -256,7 +260,8 @@ class Serving:
 
         job = Job(tokens, max_tokens, on_event, stop=stop, sampling=sampling, ignore_eos=req.ignore_eos,
                   grammar=gbnf, logit_bias=bias, n_probs=min(req.n_probs, int(pool.front.target.n_vocab)),
-                  post_sampling_probs=req.post_sampling_probs, cache_prompt=req.cache_prompt, reply=reply)
+                  post_sampling_probs=req.post_sampling_probs, cache_prompt=req.cache_prompt, reply=reply,
+                  n_max=req.n_max, trace=streaming and (req.trace or req.timings_per_token))
         try:
             pool.submit(job)
         except RuntimeError as e:   # the pool is closed: the server is shutting down
@@ -287,8 +292,9 @@ class Serving:
                      llama_timings(st), n_cached=st.n_cached, logprobs=lp)
 
     async def replies(self, job: Job, events: "asyncio.Queue[Any]"):
-        """A streamed job's events: ``("delta", d)`` (a chat delta of a tool request),
-        ``("text", chunk)`` (a Chunk of any other), then ``("done", Done)`` (its finish reason
+        """A streamed job's events: ``("delta", d)`` (a chat delta of a tool request; before them
+        ``("trace", chunk)``, the Chunk, when the job traces), ``("text", chunk)`` (a Chunk of any
+        other), then ``("done", Done)`` (its finish reason
         "tool_calls" when calls came, their last deltas before it) or ``("error", RequestError)``;
         nothing more after a cancel.  The job is cancelled when the consumer goes away."""
         tools = job.reply is not None and job.reply.differ is not None
@@ -296,6 +302,8 @@ class Serving:
             while True:
                 ev = await events.get()
                 if isinstance(ev, Chunk) and tools:
+                    if job.trace:
+                        yield "trace", ev
                     for d in job.reply.deltas(ev.tokens):
                         yield "delta", d
                 elif isinstance(ev, Chunk):
@@ -389,6 +397,8 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
         return fmt.models_list(config.model_id, config.model_meta)
 
     add_misc_routes(app, srv)
+    if config.webui:
+        add_webui_routes(app)
     add_native_routes(app, srv)
     add_agent_routes(app, srv)
 
@@ -407,7 +417,7 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
         cid, created = fmt.new_id(kind), int(time.time())
 
         def chunk(text: Optional[str] = None, finish: Optional[str] = None, timings=None, role: bool = False,
-                  probs: Optional[list] = None):
+                  probs: Optional[list] = None, extra: Optional[dict] = None):
             lp = srv.probs(probs, req) if probs and job.n_probs > 0 else None
             if kind == "chat":
                 delta: Dict[str, Any] = {}
@@ -415,17 +425,23 @@ def create_app(pool: SlotPool, config: ServerConfig) -> FastAPI:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                return json.dumps(fmt.chat_chunk(cid, model, created, delta, finish, timings, logprobs=lp))
-            return json.dumps(fmt.text_chunk(cid, model, created, text or "", finish, timings, logprobs=lp))
+                out = fmt.chat_chunk(cid, model, created, delta, finish, timings, logprobs=lp)
+            else:
+                out = fmt.text_chunk(cid, model, created, text or "", finish, timings, logprobs=lp)
+            return json.dumps({**out, **extra} if extra else out)
 
         if kind == "chat":
             yield {"data": chunk(role=True, text="")}
         async for what, ev in srv.replies(job, events):
             if what == "delta":
                 yield {"data": json.dumps(fmt.chat_chunk(cid, model, created, ev))}
+            elif what == "trace":   # a tool request's chunk: its trace before its deltas
+                yield {"data": json.dumps({**fmt.chat_chunk(cid, model, created, {}),
+                                           **fmt.chunk_extras(req, ev, srv.piece)})}
             elif what == "text":
-                if ev.text or (ev.probs and job.n_probs > 0):
-                    yield {"data": chunk(ev.text, probs=ev.probs)}
+                extra = fmt.chunk_extras(req, ev, srv.piece)
+                if ev.text or (ev.probs and job.n_probs > 0) or extra:
+                    yield {"data": chunk(ev.text, probs=ev.probs, extra=extra)}
             elif what == "done":
                 st = ev.stats
                 t = llama_timings(st)

@@ -53,6 +53,8 @@ class Job:
     post_sampling_probs: bool = False      # probabilities after the sampler chain instead of the raw softmax
     cache_prompt: bool = True              # reuse what the slot's memories hold of the prompt
     reply: Any = None                      # a chat request with tools: its tool_serving.ToolReply
+    n_max: Optional[int] = None            # this request's draft block (None: the server's; 0: no draft)
+    trace: bool = False                    # streamed chunks carry the cycle trace and the timings so far
     task_id: int = -1
     slot: int = -1
     cancel_event: threading.Event = field(default_factory=threading.Event)
@@ -333,7 +335,8 @@ class SlotPool(JobQueue):
 def job_request(job: Job) -> dict:
     """The decoder's per-request arguments of a job (besides prompt, max_tokens, stop, sampling)."""
     return {"ignore_eos": job.ignore_eos, "reuse_prefix": job.cache_prompt, "grammar": job.grammar,
-            "logit_bias": job.logit_bias, "n_probs": job.n_probs, "post_sampling_probs": job.post_sampling_probs}
+            "logit_bias": job.logit_bias, "n_probs": job.n_probs, "post_sampling_probs": job.post_sampling_probs,
+            "n_max": job.n_max, "trace": job.trace}
 
 
 def _deliver(job: Job, ev: Any) -> None:
