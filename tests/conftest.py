@@ -62,7 +62,7 @@ LONGEST_FIRST = ("test_lossless.py", "test_prompt_store.py", "test_parity_cpp.py
                  "test_drafts.py", "test_sampling_engine.py", "test_interop_outtypes.py", "test_auto_schedule.py",
                  "test_penalties_greedy.py", "test_fuzz_gguf.py", "test_sampling_rule.py", "test_info_store.py",
                  "test_engine_scenarios.py", "test_oracle_and_memory.py", "test_fuzz_utf8.py",
-                 "test_sampling_draft.py", "test_heal_units.py", "test_turns.py")
+                 "test_sampling_draft.py", "test_heal_units.py", "test_turns.py", "test_webui.py", "test_trace.py")
 
 
 def _selects_readme(config) -> bool:

@@ -115,7 +115,9 @@ def test_readme_results_per_platform():
 def _anchors(page: Path):
     from markdown.extensions.toc import slugify
 
-    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    # fenced blocks are whole lines (an inline ```` ```json ```` in a sentence is not one)
+    text = re.sub(r"^\s*```[\w+-]*[ \t]*\n.*?^\s*```[ \t]*$", "", page.read_text(encoding="utf-8"),
+                  flags=re.S | re.M)
     return {slugify(re.sub(r"[`*]", "", m.group(1)), "-") for m in re.finditer(r"^#+\s+(.+?)\s*$", text, re.M)}
 
 
