@@ -1,5 +1,6 @@
 """Write the generated parts of the docs: docs/cli.md from the click commands of ``pyllama-dspark``,
-and the table of test files in docs/testing.md from their docstrings.
+the table of test files in docs/testing.md from their docstrings, and docs/api.md, the Python API
+reference (``tools/gen_api_docs.py``).
 
     python tools/gen_docs.py            # (re)write them
     python tools/gen_docs.py --check    # exit 1 when either is not what this writes
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CLI = ROOT / "docs" / "cli.md"
 PROG = "pyllama-dspark"
 TESTING = ROOT / "docs" / "testing.md"
+API = ROOT / "docs" / "api.md"            # tools/gen_api_docs.py
 REGENERATE = "python tools/gen_docs.py"
 
 HEADER = f"""# Command line reference
@@ -186,7 +188,9 @@ def render_testing(current: str) -> str:
 
 def outputs() -> dict:
     """{path: the text this script writes there}."""
-    return {CLI: render(), TESTING: render_testing(TESTING.read_text(encoding="utf-8"))}
+    import gen_api_docs
+
+    return {CLI: render(), TESTING: render_testing(TESTING.read_text(encoding="utf-8")), API: gen_api_docs.render()}
 
 
 def stale() -> list:

@@ -129,6 +129,8 @@ class Speculator(Owned):
 
     # ---- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
+        """Free the draft and the target (their contexts and models); what ``auto`` learned is
+        saved for the next process.  Also done by ``with``; a second call does nothing."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
@@ -140,10 +142,14 @@ class Speculator(Owned):
 
     # ---- prompts -------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> List[int]:
+        """The target's token ids of ``text`` (special tokens parsed; BOS as the vocabulary asks
+        when ``add_special``)."""
         self._alive()
         return self.target.tokenize(text, add_special=add_special, parse_special=True)
 
     def chat_prompt(self, messages: Sequence[dict]):
+        """The prompt of a chat (``[{"role", "content"}, ...]``) through the GGUF's chat template
+        (llama-cpp-python's chat formatting): its token ids and the template's stop strings."""
         self._alive()
         return build_chat_prompt(self.target, messages)
 
@@ -183,6 +189,7 @@ class Speculator(Owned):
             self.proposer.prepare([list(tokens)], max_tokens)
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, **kw) -> Done:
+        """:meth:`stream` run to its end: the ``Done`` event (text, tokens, finish reason, stats)."""
         done = None
         for ev in self.stream(prompt, max_tokens, **kw):
             if isinstance(ev, Done):

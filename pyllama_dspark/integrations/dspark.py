@@ -200,6 +200,9 @@ class DSpark(Owned):
 
     # ---- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
+        """Free the draft and the contexts this DSpark opened (a borrowed Llama stays open and usable);
+        what ``auto`` learned is saved for the next process.  Also done by ``with`` and at exit; a
+        second call does nothing."""
         if getattr(self, "_closed", True):
             return
         self._closed = True

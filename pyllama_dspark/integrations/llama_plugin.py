@@ -362,9 +362,12 @@ class DSparkDraftModel(Owned, LlamaDraftModel):
 
     @property
     def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens since attaching (0.0 before any draft)."""
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
     def stats(self) -> dict:
+        """The counters as a dict: ``calls``, ``proposed``, ``drafted``, ``accepted``, ``refilled``,
+        ``skipped`` (``n_calls`` ... ``n_skipped``, described above)."""
         return {"calls": self.n_calls, "proposed": self.n_proposed, "drafted": self.n_drafted,
                 "accepted": self.n_accepted, "refilled": self.n_refilled, "skipped": self.n_skipped}
 
