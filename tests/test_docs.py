@@ -100,16 +100,38 @@ def _table_after(text: str, heading: str):
     return rows[0], rows[2:]
 
 
-def test_readme_results_per_platform():
-    text = README.read_text(encoding="utf-8")
+def test_results_per_platform():
+    """Every headline figure (docs/results.md, generated from results.json like the
+    README's) names its command, date, machine and commit."""
+    text = (DOCS / "results.md").read_text(encoding="utf-8")
     for platform in ("CPU", "GPU"):
-        header, rows = _table_after(text, f"### {platform}")
-        assert header[-4:] == ["command", "date", "machine", "commit"], header
+        header, rows = _table_after(text, f"## {platform}")
+        assert header[-5:] == ["command", "date", "machine", "commit", "note"], header
         assert rows, platform
-    _, cpu = _table_after(text, "### CPU")
-    for row in cpu:
-        cmd, date, machine, commit = row[-4:]
-        assert cmd and machine and re.fullmatch(r"\d{4}-\d{2}-\d{2}", date) and re.fullmatch(r"`[0-9a-f]{7,40}`", commit), row
+        for row in rows:
+            cmd, date, machine, commit, note = row[-5:]
+            if row[1] == "not measured yet":
+                continue
+            assert cmd and machine and note and re.fullmatch(r"\d{4}-\d{2}-\d{2}", date), row
+            assert re.fullmatch(r"`[0-9a-f]{7,40}`", commit), row
+    readme = README.read_text(encoding="utf-8")
+    assert "docs/images/results.png" in readme and "docs/results.md" in readme
+
+
+def test_a_figure_that_disagrees_with_its_data_is_stale(tmp_path, monkeypatch):
+    """The check bites: one figure changed in the data leaves the README, the page and the plot stale."""
+    import json as _json
+
+    gen = _gen_docs()
+    import gen_results
+
+    data = _json.loads(gen_results.DATA.read_text(encoding="utf-8"))
+    data["claims"][0]["ratio"], data["claims"][0]["result"] = 0.5, "0.5 / 0.5, 0.5 / 0.5"
+    fake = tmp_path / "results.json"
+    fake.write_text(_json.dumps(data), encoding="utf-8")
+    monkeypatch.setattr(gen_results, "DATA", fake)
+    stale = {p.name for p in gen.stale()}
+    assert {"README.md", "results.md", "results.png"} <= stale, stale
 
 
 def _anchors(page: Path):

@@ -1,6 +1,7 @@
 """Write the generated parts of the docs: docs/cli.md from the click commands of ``pyllama-dspark``,
-the table of test files in docs/testing.md from their docstrings, and docs/api.md, the Python API
-reference (``tools/gen_api_docs.py``).
+the table of test files in docs/testing.md from their docstrings, docs/api.md, the Python API
+reference (``tools/gen_api_docs.py``), and the headline figures (the README's "Results",
+docs/benchmarks/results.md and its plot) from docs/benchmarks/results.json (``tools/gen_results.py``).
 
     python tools/gen_docs.py            # (re)write them
     python tools/gen_docs.py --check    # exit 1 when either is not what this writes
@@ -22,10 +23,12 @@ from pathlib import Path
 import click
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # gen_api_docs, gen_results beside it
 CLI = ROOT / "docs" / "cli.md"
 PROG = "pyllama-dspark"
 TESTING = ROOT / "docs" / "testing.md"
 API = ROOT / "docs" / "api.md"            # tools/gen_api_docs.py
+README = ROOT / "README.md"               # its Results section: tools/gen_results.py
 REGENERATE = "python tools/gen_docs.py"
 
 HEADER = f"""# Command line reference
@@ -189,14 +192,21 @@ def render_testing(current: str) -> str:
 def outputs() -> dict:
     """{path: the text this script writes there}."""
     import gen_api_docs
+    import gen_results
 
-    return {CLI: render(), TESTING: render_testing(TESTING.read_text(encoding="utf-8")), API: gen_api_docs.render()}
+    cs = gen_results.claims()
+    return {CLI: render(), TESTING: render_testing(TESTING.read_text(encoding="utf-8")), API: gen_api_docs.render(),
+            gen_results.PAGE: gen_results.render_page(cs),
+            README: gen_results.render_readme(README.read_text(encoding="utf-8"), cs)}
 
 
 def stale() -> list:
-    """The generated files whose text differs from what this script writes."""
-    return [p for p, text in outputs().items()
-            if not p.exists() or p.read_text(encoding="utf-8") != text]
+    """The generated files whose text differs from what this script writes (the results plot: when
+    its data stamp is not the data's)."""
+    import gen_results
+
+    bad = [p for p, text in outputs().items() if not p.exists() or p.read_text(encoding="utf-8") != text]
+    return bad + ([] if gen_results.plot_is_current(gen_results.claims()) else [gen_results.PLOT])
 
 
 def main(argv=None) -> int:
@@ -212,6 +222,12 @@ def main(argv=None) -> int:
         if not p.exists() or p.read_text(encoding="utf-8") != text:
             p.write_text(text, encoding="utf-8")
             print(f"wrote {p.relative_to(ROOT)}")
+    import gen_results
+
+    cs = gen_results.claims()
+    if not gen_results.plot_is_current(cs):
+        gen_results.plot(cs)
+        print(f"wrote {gen_results.PLOT.relative_to(ROOT)}")
     return 0
 
 
