@@ -241,3 +241,57 @@ def test_api_key(target_path, tmp_path):
     finally:
         drv.quit()
         srv.stop()
+
+
+def test_regenerate_and_edit(page, server):
+    """Regenerate at T = 0 gives the same greedy reply again; an edited message is sent again, the
+    replies after it dropped, and its reply is the API's greedy reply to the edited conversation."""
+    page.one("#new-chat").click()
+    page.settings(max_tokens=24)
+    page.send("Name three colors.")
+    first = page.last_reply().find_element("css selector", ".msg-content").text
+    page.last_reply().find_element("css selector", ".msg-regen").click()
+    wait_for(lambda: page.busy() or page.last_reply().find_element("css selector", ".msg-content").text, 10, "regen")
+    page.wait_idle()
+    assert len(page.css(".msg")) == 2
+    assert page.last_reply().find_element("css selector", ".msg-content").text == first
+    user = page.css('.msg[data-role="user"]')[0]
+    user.find_element("css selector", ".msg-edit").click()
+    box = user.find_element("css selector", ".msg-edit-input")
+    page.drv.execute_script("arguments[0].value = arguments[1]", box, "Name three animals.")
+    user.find_element("css selector", ".msg-edit-send").click()
+    wait_for(lambda: "Name three animals." in page.css('.msg[data-role="user"]')[0].text, 20, "the edited message")
+    page.wait_idle()
+    assert len(page.css(".msg")) == 2
+    text, _, _, _ = api_reply(server, [{"role": "user", "content": "Name three animals."}], max_tokens=24)
+    spans = None
+    msg = page.last_reply()
+    msg.find_element("css selector", ".spec-toggle").click()
+    spans = wait_for(lambda: msg.find_elements("css selector", ".spec-view span.tok"), 10, "the speculation view")
+    assert "".join(s.get_attribute("textContent") for s in spans) == text
+    page.settings(max_tokens=MAX_TOKENS)
+
+
+def test_export_then_import_gives_the_same_conversations(page, tmp_path):
+    """Export all (the download's JSON, caught as the page makes it), delete everything, import the
+    file: the same conversations, titles and messages come back."""
+    page.drv.execute_script(
+        "window.__exported = null; const orig = URL.createObjectURL;"
+        "URL.createObjectURL = (b) => { b.text().then(t => { window.__exported = t; }); return orig(b); };")
+    before = page.drv.execute_script("return localStorage.getItem('dspark.conversations')")
+    page.one("#export-btn").click()
+    exported = wait_for(lambda: page.drv.execute_script("return window.__exported"), 10, "the export")
+    convs = json.loads(exported)["conversations"]
+    assert [c["id"] for c in convs] == [c["id"] for c in json.loads(before)]
+    page.drv.execute_script("window.confirm = () => true;")
+    while page.css("#conv-list .conv-item"):
+        n = len(page.css("#conv-list .conv-item"))
+        page.css("#conv-list .conv-item")[0].find_element("css selector", ".conv-delete").click()
+        wait_for(lambda: len(page.css("#conv-list .conv-item")) < n, 10, "a deletion")
+    path = tmp_path / "export.json"
+    path.write_text(exported)
+    page.one("#import-input").send_keys(str(path))
+    wait_for(lambda: len(page.css("#conv-list .conv-item")) == len(convs), 10, "the import")
+    after = json.loads(page.drv.execute_script("return localStorage.getItem('dspark.conversations')"))
+    key = lambda c: (c["id"], c["title"], [(m["role"], m["content"]) for m in c["messages"]])  # noqa: E731
+    assert sorted(map(key, after)) == sorted(map(key, convs))
