@@ -157,7 +157,7 @@ class Decoder:
                sampling: Optional[SamplingParams] = None, ignore_eos: bool = False,
                n_max: Optional[int] = None, reuse_prefix: bool = False, grammar=None,
                logit_bias: Optional[dict] = None, n_probs: int = 0, post_sampling_probs: bool = False,
-               trace: bool = False) -> int:
+               trace: bool = False, draft: bool = True) -> int:
         """Queue one request; returns its id.
 
         ``sampling`` None (or temperature 0 without penalties) is greedy decoding, otherwise
@@ -173,11 +173,11 @@ class Decoder:
         :class:`~..speculative.logprobs.TokenProb` per emitted token (``Chunk.probs`` / ``Done.probs``),
         from the target's rows (``post_sampling_probs``: after the sampler chain).  ``trace``: each
         streamed Chunk says which of its tokens were accepted drafts, per cycle (``Chunk.trace``),
-        and carries the request's timings so far."""
+        and carries the request's timings so far.  ``draft`` False: this request drafts nothing."""
         s = make_request(self._next_rid, self.target, self._pieces, self.eog, self.n_ctx_seq, self._max_draft, prompt,
                          max_tokens, stop, sampling=sampling, ignore_eos=ignore_eos, n_max=n_max,
                          reuse_prefix=reuse_prefix, grammar=grammar, logit_bias=logit_bias, n_probs=n_probs,
-                         post_sampling_probs=post_sampling_probs, trace=trace)
+                         post_sampling_probs=post_sampling_probs, trace=trace, draft=draft)
         self._next_rid += 1
         self._queue.append(s)
         return s.rid

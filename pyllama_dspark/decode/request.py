@@ -85,7 +85,7 @@ def make_grammar(grammar, target):
 def make_request(rid: int, target, pieces, eog: np.ndarray, n_ctx_seq: int, max_draft: int, prompt: Sequence[int],
                  max_tokens: int, stop: Sequence[str], *, sampling: Optional[SamplingParams], ignore_eos: bool,
                  n_max: Optional[int], reuse_prefix: bool, grammar=None, logit_bias=None, n_probs: int = 0,
-                 post_sampling_probs: bool = False, trace: bool = False) -> Request:
+                 post_sampling_probs: bool = False, trace: bool = False, draft: bool = True) -> Request:
     """A checked request (see :meth:`~.loop.Decoder.submit` for the arguments)."""
     toks = check_prompt(prompt, target.n_vocab, n_ctx_seq)
     if isinstance(max_tokens, bool) or int(max_tokens) <= 0:
@@ -99,8 +99,9 @@ def make_request(rid: int, target, pieces, eog: np.ndarray, n_ctx_seq: int, max_
     if isinstance(n_probs, bool) or not isinstance(n_probs, (int, np.integer)) or n_probs < 0:
         raise ValueError(f"n_probs must be an integer >= 0, got {n_probs!r}")
     bias = check_logit_bias(logit_bias, target.n_vocab)
-    # n_max 0: this request drafts nothing (llama-server's per-request speculative.n_max)
-    n = max_draft if n_max is None else 0 if n_max == 0 and not isinstance(n_max, bool) else min(check_n_max(n_max), max_draft)
+    n = max_draft if n_max is None else min(check_n_max(n_max), max_draft)
+    if not draft:   # this request drafts nothing (serve's per-request "speculative.n_max": 0)
+        n = 0
     smp = None
     greedy_argmax = sampling is None or (sampling.is_greedy and not sampling.has_penalties)
     if not greedy_argmax or bias or grammar is not None:

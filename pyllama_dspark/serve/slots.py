@@ -336,7 +336,7 @@ def job_request(job: Job) -> dict:
     """The decoder's per-request arguments of a job (besides prompt, max_tokens, stop, sampling)."""
     return {"ignore_eos": job.ignore_eos, "reuse_prefix": job.cache_prompt, "grammar": job.grammar,
             "logit_bias": job.logit_bias, "n_probs": job.n_probs, "post_sampling_probs": job.post_sampling_probs,
-            "n_max": job.n_max, "trace": job.trace}
+            "n_max": job.n_max or None, "draft": job.n_max != 0, "trace": job.trace}
 
 
 def _deliver(job: Job, ev: Any) -> None:
