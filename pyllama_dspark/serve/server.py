@@ -51,7 +51,6 @@ from pyllama_dspark.serve.oai_request import (GenRequest, RequestError, check_gr
 from pyllama_dspark.serve.routes_misc import add_misc_routes
 from pyllama_dspark.serve.slots import Cancelled, Job, SlotPool
 from pyllama_dspark.serve.tool_serving import ToolReply, tool_prompt
-
 from pyllama_dspark.serve.webui import add_webui_routes
 from pyllama_dspark.decode.timings import llama_timings
 from pyllama_dspark.speculative.sampling_params import SamplingParams
