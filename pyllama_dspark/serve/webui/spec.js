@@ -5,12 +5,8 @@
 'use strict';
 
 const Spec = (() => {
-  function el(tag, cls, text) {
-    const e = document.createElement(tag);
-    if (cls) e.className = cls;
-    if (text != null) e.textContent = text;
-    return e;
-  }
+  // render.js's element helper (loaded after this file; called only once the page runs)
+  const el = (tag, cls, text) => Render.el(tag, cls, text);
 
   /* The trace's tokens as display spans: tokens whose bytes split a UTF-8 character are merged
    * (bytes accumulate until they decode); a merged span is "draft" only if all its tokens were. */
