@@ -234,3 +234,53 @@ def test_quantizer_failure_raises_and_cleans_up(tmp_path, monkeypatch):
                                   "-o", str(tmp_path / "y.gguf")])
     assert r.exit_code == 1 and "planted failure" in r.output, r.output
     assert os.listdir(tmp_path) == []                                # no temporary or partial file left
+
+
+# Qwen3.5-4B's text backbone, typed from its published config as the size table's docstring cites it:
+# layers, width, heads, KV heads, head size, FFN, vocab, tied, Gated DeltaNet key / value heads and head
+# size, full-attention interval
+QWEN35_4B = dict(layers=32, embd=2560, heads=16, kv=4, hd=256, ff=9216, vocab=248320, tied=True,
+                 lin_k=16, lin_v=32, lin_hd=128, interval=4)
+
+
+def _qwen35_params(c):
+    """Parameters of a Qwen3.5 text backbone, summed from its config by hand (the exact law)."""
+    d, ff, v = c["embd"], c["ff"], c["vocab"]
+    key, val = c["lin_k"] * c["lin_hd"], c["lin_v"] * c["lin_hd"]
+    gdn = d * (2 * key + val) + (2 * key + val) * 4 + d * val + 2 * d * c["lin_v"] + 2 * c["lin_v"] \
+        + c["lin_hd"] + val * d                      # qkv, conv, z gate, alpha / beta, dt bias + A, norm, out
+    attn = d * 2 * c["heads"] * c["hd"] + 2 * d * c["kv"] * c["hd"] + c["heads"] * c["hd"] * d + 2 * c["hd"]
+    per_layer = 3 * d * ff + 2 * d                   # SwiGLU, attn_norm, post_attention_norm
+    n_attn = c["layers"] // c["interval"]
+    return (v * d * (1 if c["tied"] else 2) + d + c["layers"] * per_layer + n_attn * attn
+            + (c["layers"] - n_attn) * gdn)
+
+
+def test_qwen35_4b_is_the_published_shape():
+    c = QWEN35_4B
+    a, meta, plan = plan_test_target("qwen35", size="4b")
+    shapes = {t.name: t.shape for t in plan}
+    total, _ = count_params(plan)
+    print(f"qwen35 4b: {total / 1e9:.3f}B parameters (text backbone)")
+    assert total == _qwen35_params(c)
+    assert _meta(meta, "qwen35.block_count") == c["layers"] and _meta(meta, "qwen35.embedding_length") == c["embd"]
+    assert _meta(meta, "qwen35.attention.head_count") == c["heads"]
+    assert _meta(meta, "qwen35.attention.head_count_kv") == c["kv"]
+    assert _meta(meta, "qwen35.attention.key_length") == c["hd"]
+    assert _meta(meta, "qwen35.rope.dimension_count") == c["hd"] // 4              # partial_rotary_factor 0.25
+    assert _meta(meta, "qwen35.rope.freq_base") == 1e7
+    assert _meta(meta, "qwen35.full_attention_interval") == c["interval"]
+    assert (_meta(meta, "qwen35.ssm.group_count"), _meta(meta, "qwen35.ssm.time_step_rank"),
+            _meta(meta, "qwen35.ssm.state_size")) == (c["lin_k"], c["lin_v"], c["lin_hd"])
+    recurrent = _meta(meta, "qwen35.attention.recurrent_layers")
+    assert recurrent == [(il + 1) % c["interval"] != 0 for il in range(c["layers"])]   # layer 3, 7, ... attention
+    assert shapes["token_embd.weight"] == (c["vocab"], c["embd"]) and ("output.weight" in shapes) == (not c["tied"])
+    for il in range(c["layers"]):
+        p = f"blk.{il}."
+        if recurrent[il]:
+            assert shapes[p + "attn_qkv.weight"] == ((2 * c["lin_k"] + c["lin_v"]) * c["lin_hd"], c["embd"]), p
+            assert shapes[p + "ssm_out.weight"] == (c["embd"], c["lin_v"] * c["lin_hd"]), p
+        else:
+            assert shapes[p + "attn_q.weight"] == (2 * c["heads"] * c["hd"], c["embd"]), p    # query + gate
+            assert shapes[p + "attn_k.weight"] == (c["kv"] * c["hd"], c["embd"]), p
+        assert shapes[p + "ffn_down.weight"] == (c["embd"], c["ff"]), p

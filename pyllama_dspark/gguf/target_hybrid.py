@@ -57,12 +57,13 @@ MAMBA_GROUPS = 2            # Nemotron-H: 8
 MAMBA_HEAD_DIM = 32         # Nemotron-H: 64 (d_inner = 2 n_embd = heads x head_dim)
 
 
-def layer_kinds(arch: str, n_layer: int) -> List[str]:
-    """``"attn"`` / ``"recr"`` / ``"mlp"`` per layer: :data:`LAYER_PATTERN` repeated (an attention
+def layer_kinds(arch: str, n_layer: int, attn_interval: int = 0) -> List[str]:
+    """``"attn"`` / ``"recr"`` / ``"mlp"`` per layer: :data:`LAYER_PATTERN` repeated, or with
+    ``attn_interval`` one attention layer after every ``attn_interval - 1`` recurrent ones (an attention
     layer at least: the last recurrent one is made attention when the pattern gave none)."""
     if arch not in LAYER_PATTERN:
         raise ValueError(f"{arch!r} is not a hybrid target arch ({', '.join(HYBRID_TARGET_ARCHS)})")
-    pat = LAYER_PATTERN[arch]
+    pat = ("recr",) * (attn_interval - 1) + ("attn",) if attn_interval else LAYER_PATTERN[arch]
     kinds = [pat[il % len(pat)] for il in range(n_layer)]
     if "attn" not in kinds:
         kinds[max(il for il, k in enumerate(kinds) if k == "recr")] = "attn"
@@ -72,15 +73,17 @@ def layer_kinds(arch: str, n_layer: int) -> List[str]:
 def add_hybrid(arch: str, kv: Callable, plan: list, put: Callable, weight: Callable,
                no_write: Callable, rng: np.random.Generator, res: np.ndarray, wenc: str, *, n_vocab: int,
                n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int, n_expert: int,
-               n_ff_exp: int, router_gain: float) -> None:
+               n_ff_exp: int, router_gain: float, gdn: Tuple[int, int, int] = (), attn_interval: int = 0) -> None:
     """Add the hybrid ``arch``'s hyper-parameters to the metadata (through the writer's ``kv``, which
     overwrites its scalar keys where the arch wants per-layer arrays) and its per-layer tensors to
     ``plan`` (through the writer's ``put`` / ``weight``; ``no_write`` zeroes the rows of an output
     projection that would write into the MoE routing dimensions ``res``).  ValueError on shapes the
-    loader or the graph would refuse."""
+    loader or the graph would refuse.  ``gdn``: Gated DeltaNet (key heads, value heads, head size) when
+    they are not the attention's (KV heads, query heads, head size); ``attn_interval``: see
+    :func:`layer_kinds` (``full_attention_interval``)."""
     if n_layer < 2:
         raise ValueError(f"n_layer must be >= 2 for {arch} (recurrent and attention layers), got {n_layer}")
-    kinds = layer_kinds(arch, n_layer)
+    kinds = layer_kinds(arch, n_layer, attn_interval)
     vt = _vt()
     a = arch
     out_w = no_write if res.size else None     # output projections of the MoE targets keep off `res`
@@ -114,7 +117,7 @@ def add_hybrid(arch: str, kv: Callable, plan: list, put: Callable, weight: Calla
             raise ValueError(f"{arch}: n_head {n_head} must be a multiple of n_head_kv {n_head_kv}")
         # Gated DeltaNet heads: as many key heads as KV heads, value heads as query heads, both of
         # head_dim (Qwen3.5-9B: 16 key / 32 value heads of 128)
-        d_state, n_k, n_v = head_dim, n_head_kv, n_head
+        n_k, n_v, d_state = gdn or (n_head_kv, n_head, head_dim)
         n_rot = max(2, head_dim // 4)              # partial_rotary_factor 0.25
         kv(f"{a}.rope.dimension_count", n_rot)
         if arch != "qwen3next":                   # interleaved M-RoPE: [t, h, w] pairs as [11, 11, 10] of 32
@@ -122,7 +125,7 @@ def add_hybrid(arch: str, kv: Callable, plan: list, put: Callable, weight: Calla
             h, w = s * 11 // 32, s * 10 // 32
             kv(f"{a}.rope.dimension_sections", [s - h - w, h, w, 0], vt.ARRAY, vt.INT32)
         kv(f"{a}.rope.freq_base", 10000000.0)
-        kv(f"{a}.full_attention_interval", len(LAYER_PATTERN[arch]))
+        kv(f"{a}.full_attention_interval", attn_interval or len(LAYER_PATTERN[arch]))
         kv(f"{a}.attention.recurrent_layers", [k == "recr" for k in kinds], vt.ARRAY, vt.BOOL)
         kv(f"{a}.ssm.conv_kernel", GDN_CONV_KERNEL)
         kv(f"{a}.ssm.state_size", d_state)

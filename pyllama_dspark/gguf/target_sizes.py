@@ -30,6 +30,15 @@ Where the numbers come from:
   used as V, which is ``attention_k_eq_v``; no per-layer embeddings when their width is 0).  Its
   model-type table has no 48-layer entry (E2B 35, E4B 42, 26B-A4B 30, 31B 60 layers), which only
   affects the printed size label.
+* Qwen3.5 4B (``Qwen/Qwen3.5-4B``, arch ``qwen35``), its text backbone (the vision tower is not
+  written): 32 layers, hidden 2560, FFN 9216, 16 attention heads, 4 KV heads of 256, gated attention,
+  partial RoPE 0.25 with base 1e7, RMS eps 1e-6, vocabulary 248,320 -- the Megatron arguments of
+  slime's ``scripts/models/qwen3.5-4B.sh`` (``z76316/slime-n`` carries the file that THUDM/slime's
+  sources), whose missing ``--untie-embeddings-and-output-weights`` (the 27B script has it) is read as
+  tied embeddings; Gated DeltaNet 16 key / 32 value heads of 128, conv kernel 4, one full-attention
+  layer in every 4 (8 of 32) -- a public comparison table of the 4B and 27B ``config.json`` files, and
+  the same numbers as the class defaults of transformers' ``Qwen3_5TextConfig`` (head sizes 128,
+  kernel 4, interval 4).  About 4.2B parameters so counted.
 """
 
 from __future__ import annotations
@@ -71,6 +80,12 @@ class SizeSpec:
     n_swa: int = 0
     rope_theta_swa: float = 0.0
     final_logit_softcapping: float = 0.0
+    # qwen35: Gated DeltaNet key / value heads and their head size, one full-attention layer every
+    # `attn_interval` (the others Gated DeltaNet)
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_head_dim: int = 0
+    attn_interval: int = 0
 
 
 _Q3 = dict(arch="qwen3", n_vocab=151936, rope_theta=1e6, rms_eps=1e-6, context_length=40960, head_dim=128)
@@ -90,6 +105,10 @@ TARGET_SIZES: "OrderedDict[Tuple[str, str], SizeSpec]" = OrderedDict(((s.arch, s
              n_ff=15360, n_vocab=262144, tied=True, rope_theta=1e6, rms_eps=1e-6, context_length=262144,
              swa_period=6, head_dim_full=512, n_head_kv_full=1, k_eq_v=True, n_swa=1024,
              rope_theta_swa=10000.0, final_logit_softcapping=30.0),
+    # Qwen/Qwen3.5-4B text backbone (see the module docstring)
+    SizeSpec(arch="qwen35", size="4b", n_layer=32, n_embd=2560, n_head=16, n_head_kv=4, head_dim=256, n_ff=9216,
+             n_vocab=248320, tied=True, rope_theta=1e7, rms_eps=1e-6, context_length=262144,
+             linear_k_heads=16, linear_v_heads=32, linear_head_dim=128, attn_interval=4),
 ))
 
 #: ``make-test-target --type`` values: the type of every weight matrix (quantized by llama.cpp:

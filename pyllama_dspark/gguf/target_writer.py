@@ -414,7 +414,9 @@ def plan_test_target(
     if spec.hybrid:   # lfm2, qwen35, ...: recurrent + attention layers, planned by gguf/target_hybrid.py
         add_hybrid(arch, kv, plan, put, weight, no_write, rng, res, wenc, n_vocab=n_vocab, n_layer=n_layer,
                    n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, n_expert=n_expert,
-                   n_ff_exp=n_ff_exp, router_gain=float(router_gain))
+                   n_ff_exp=n_ff_exp, router_gain=float(router_gain),
+                   gdn=(sz.linear_k_heads, sz.linear_v_heads, sz.linear_head_dim) if sz and sz.linear_k_heads else (),
+                   attn_interval=sz.attn_interval if sz else 0)
         return a, meta, plan
     gain = f32(router_gain)
     # tied gemma4: the input embedding (x sqrt(n_embd) in the graph) is the token's own output row, so
