@@ -10,7 +10,11 @@ checkpoints), each with a random DSpark draft:
 * end to end, one process per run as users run it: ``run -md oracle:P`` (P = 0.5 / 0.8 / 0.9) with
   the default ``auto`` schedule and with ``--schedule off``, against ``--no-draft``, decode tokens/s.
 
-    python bench/hybrid_rollback.py [--layers 12] [--n-embd 512] [--n 128] [--threads 2]
+    python bench/hybrid_rollback.py [--layers 12] [--n-embd 512] [--n 128] [--threads 2] [--json out.json]
+    python bench/hybrid_rollback.py --targets a.gguf,b.gguf [--reps 10] [--json out.json]
+
+``--targets``: the per-cycle costs only, on target files you give (a ``--size`` target, say).
+``--json``: the figures as data, beside the note that quotes them.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def _ms(fn, reps: int) -> float:
 
 
 def micro(target: str, threads: int, reps: int = 30) -> dict:
+    """Per-cycle costs in ms (medians of ``reps``): an 8-row verify decode with and without snapshots,
+    and where the target is recurrent a checkpoint taken / restored and a 4-row replay."""
     prompt = np.arange(100, 164, dtype=np.int32)
     rows = np.arange(200, 208, dtype=np.int32)
     res = {}
@@ -97,7 +103,19 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--targets", default="", help="comma-separated target files: per-cycle costs only")
+    ap.add_argument("--reps", type=int, default=30, help="timed repetitions per per-cycle figure")
+    ap.add_argument("--json", default=None, help="write the figures here")
     a = ap.parse_args()
+    out = {"command": " ".join(sys.argv), "threads": a.threads, "targets": {}}
+    if a.targets:
+        for target in a.targets.split(","):
+            m = micro(target, a.threads, a.reps)
+            out["targets"][target] = {"micro": m}
+            print(f"[{Path(target).name}] " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                      for k, v in m.items()))
+        _dump(a.json, out)
+        return
     work = Path(tempfile.mkdtemp(prefix="hybrid-bench-"))
     cache = str(work / "cache")
     print(f"targets: {a.layers} layers, n_embd {a.n_embd}, F32, 4,096-token vocabulary; {a.threads} threads")
@@ -106,15 +124,26 @@ def main() -> None:
                                       n_layer=a.layers, n_embd=a.n_embd, n_head=a.n_embd // 64, n_head_kv=a.n_embd // 128,
                                       head_dim=64, n_ff=a.n_embd * 3))
         make_test_draft(target, str(work / f"{arch}-draft.gguf"), kind="dspark", seed=5)
-        m = micro(target, a.threads)
+        m = micro(target, a.threads, a.reps)
+        rec = out["targets"][arch] = {"micro": m, "tok_s": {}}
         print(f"\n[{arch}] " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items()))
-        base = max(run_cli(target, ["--no-draft"], a.n, a.threads, cache) for _ in range(a.repeats))
+        base = rec["tok_s"]["no-draft"] = max(run_cli(target, ["--no-draft"], a.n, a.threads, cache)
+                                              for _ in range(a.repeats))
         print(f"[{arch}] --no-draft {base:.1f} tok/s")
         for p in (0.5, 0.8, 0.9):
             for sched in ("auto", "off"):
-                tps = max(run_cli(target, ["-md", f"oracle:{p}", "--schedule", sched], a.n, a.threads, cache)
-                          for _ in range(a.repeats))
+                tps = rec["tok_s"][f"oracle:{p} {sched}"] = max(
+                    run_cli(target, ["-md", f"oracle:{p}", "--schedule", sched], a.n, a.threads, cache)
+                    for _ in range(a.repeats))
                 print(f"[{arch}] oracle:{p} {sched:4s} {tps:.1f} tok/s  x{tps / base:.2f}")
+    _dump(a.json, out)
+
+
+def _dump(path, out) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
