@@ -1,7 +1,7 @@
 """Python loop vs llama.cpp's own C++ driver (llama-server), interleaved per prompt.
 
     python bench/loop_vs_llama_server.py [--limit 2] [--n-predict 128] [--threads 2] [-ngl auto]
-                                         [--draft random|random:TYPE|bigram|PATH]
+                                         [--draft random|random:TYPE|bigram|PATH] [--json out.json]
 
 For each prompt (chat template applied) and each configuration, in a rotating order so machine
 noise hits every configuration alike: llama-server without a draft, llama-server with the draft,
@@ -12,7 +12,9 @@ ratio ours / llama-server, and our per-cycle phase times (draft, verify, inject,
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,6 +37,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("-ngl", "--n-gpu-layers", dest="ngl", default="auto",
                     help="layers on the GPU, both sides (llama.cpp's -ngl: a number, auto or all)")
+    ap.add_argument("--json", default=None, help="also write the figures here, as data beside the note")
     a = ap.parse_args()
     place = dict(n_gpu_layers=a.ngl)
     ngl_args = [] if a.ngl == "auto" else ["-ngl", str(a.ngl), "-ngld", str(a.ngl)]
@@ -90,6 +93,13 @@ def main():
     print(f"ours/llama-server, no draft: median ratio {statistics.median(ratios_base):.3f}")
     print(f"ours/llama-server, DSpark  : median ratio {statistics.median(ratios_spec):.3f}")
     print("our ms per cycle (median): " + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases.items()))
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump({"command": " ".join(sys.argv), "target": target, "draft": a.draft, "threads": a.threads,
+                       "n_predict": a.n_predict, "prompts": len(prompts), "repeats": a.repeats,
+                       "tok_s": res, "median_tok_s": med,
+                       "ratio_no_draft": statistics.median(ratios_base), "ratio_dspark": statistics.median(ratios_spec),
+                       "ms_per_cycle": {k: statistics.median(v) for k, v in phases.items() if v}}, f, indent=1)
 
 
 if __name__ == "__main__":
