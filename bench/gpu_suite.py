@@ -7,7 +7,10 @@ users run it, and a table of what docs/gpu.md reports.
 TARGET may also be ``make:ARCH`` (one of :data:`MADE`: the hybrids lfm2 / qwen35 / qwen3next and
 qwen3 beside them, 24 layers of width 2048, F16, a 32,768-token vocabulary): a random target
 written into ``--out`` first (``make-test-target``), so that a device run covers the hybrid
-targets' rollbacks (snapshots, checkpoints) as docs/targets.md describes them.
+targets' rollbacks (snapshots, checkpoints) as docs/targets.md describes them.  ``make:ARCH:SIZE``
+writes a ``make-test-target --size SIZE --type q4_0 --peaked 4`` target instead: ``make:qwen35:4b``
+(Qwen3.5-4B's shape, a hybrid) beside ``make:qwen3:4b`` (Qwen3-4B), as docs/benchmarks/hybrid.md
+compares them on a CPU.
 
 Each config is ``run -m TARGET -ngl N -n N --temp 0 --ignore-eos --raw --json -p PROMPT`` plus its
 flags (default set below: no draft twice, ``auto`` with the random draft, ``-md oracle:0.9`` under
@@ -87,15 +90,27 @@ MADE_SHAPE = dict(n_layer=24, n_embd=2048, n_head=16, n_head_kv=8, head_dim=128,
 
 
 def made_target(spec: str, out: str) -> str:
-    """The path of TARGET, writing ``make:ARCH`` targets into ``out`` first."""
+    """The path of TARGET, writing ``make:ARCH`` / ``make:ARCH:SIZE`` targets into ``out`` first."""
     if not spec.startswith("make:"):
         return spec
-    arch = spec.split(":", 1)[1]
+    arch, size = spec.split(":")[1], (spec.split(":") + [""])[2]
+    os.makedirs(out, exist_ok=True)
+    if size:
+        from pyllama_dspark.gguf.target_sizes import get_size
+        from pyllama_dspark.llama.quantize import write_test_target
+
+        try:
+            get_size(arch, size)
+        except ValueError as e:
+            raise SystemExit(str(e))
+        path = os.path.join(out, f"{arch}-{size}-q4_0.gguf")
+        if not os.path.exists(path):
+            write_test_target(path, arch, qtype="q4_0", size=size, peaked=4.0)
+        return path
     if arch not in MADE:
         raise SystemExit(f"make:ARCH takes one of {', '.join(MADE)}")
     from pyllama_dspark.gguf.target_writer import make_test_target
 
-    os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{arch}-made.gguf")
     if not os.path.exists(path):
         make_test_target(path, arch, **MADE_SHAPE)
