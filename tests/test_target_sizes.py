@@ -284,3 +284,48 @@ def test_qwen35_4b_is_the_published_shape():
             assert shapes[p + "attn_q.weight"] == (2 * c["heads"] * c["hd"], c["embd"]), p    # query + gate
             assert shapes[p + "attn_k.weight"] == (c["kv"] * c["hd"], c["embd"]), p
         assert shapes[p + "ffn_down.weight"] == (c["embd"], c["ff"]), p
+
+
+# Nemotron-H-8B, typed from its config.json (Megatron-Bridge's copy, as the size table cites it)
+NEMOTRON_H_8B = dict(layers=52, embd=4096, heads=32, kv=8, hd=128, ff=21504, vocab=131072, tied=False,
+                     m_heads=128, m_hd=64, state=128, groups=8, conv=4,
+                     pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")
+
+
+def _nemotron_h_params(c):
+    d, d_in = c["embd"], c["m_heads"] * c["m_hd"]
+    conv_ch = d_in + 2 * c["groups"] * c["state"]
+    mamba = (d * (2 * d_in + 2 * c["groups"] * c["state"] + c["m_heads"]) + conv_ch * (c["conv"] + 1)
+             + 3 * c["m_heads"] + d_in + d_in * d)       # in_proj, conv + bias, dt bias / A / D, norm, out_proj
+    attn = 2 * d * c["heads"] * c["hd"] + 2 * d * c["kv"] * c["hd"]
+    mlp = 2 * d * c["ff"]                                  # squared ReLU: up, down
+    kinds = [c["pattern"][i % len(c["pattern"])] for i in range(c["layers"])]
+    return (c["vocab"] * d * (1 if c["tied"] else 2) + d + c["layers"] * d
+            + sum({"M": mamba, "*": attn, "-": mlp}[k] for k in kinds))
+
+
+def test_nemotron_h_8b_is_the_published_shape():
+    c = NEMOTRON_H_8B
+    a, meta, plan = plan_test_target("nemotron_h", size="8b")
+    shapes = {t.name: t.shape for t in plan}
+    total, _ = count_params(plan)
+    print(f"nemotron_h 8b: {total / 1e9:.3f}B parameters")
+    assert total == _nemotron_h_params(c)
+    kv_arr = _meta(meta, "nemotron_h.attention.head_count_kv")
+    ff_arr = _meta(meta, "nemotron_h.feed_forward_length")
+    for il, letter in enumerate(c["pattern"]):
+        assert (kv_arr[il], ff_arr[il]) == {"M": (0, 0), "*": (c["kv"], 0), "-": (0, c["ff"])}[letter], il
+        p = f"blk.{il}."
+        if letter == "M":
+            d_in = c["m_heads"] * c["m_hd"]
+            assert shapes[p + "ssm_in.weight"] == (2 * d_in + 2 * c["groups"] * c["state"] + c["m_heads"], c["embd"]), p
+            assert shapes[p + "ssm_norm.weight"] == (c["groups"], d_in // c["groups"]), p
+        elif letter == "*":
+            assert shapes[p + "attn_q.weight"] == (c["heads"] * c["hd"], c["embd"]), p
+            assert shapes[p + "attn_k.weight"] == (c["kv"] * c["hd"], c["embd"]), p
+        else:
+            assert shapes[p + "ffn_up.weight"] == (c["ff"], c["embd"]) and p + "ffn_gate.weight" not in shapes, p
+    assert (_meta(meta, "nemotron_h.ssm.state_size"), _meta(meta, "nemotron_h.ssm.group_count"),
+            _meta(meta, "nemotron_h.ssm.time_step_rank"), _meta(meta, "nemotron_h.ssm.inner_size")) == \
+        (c["state"], c["groups"], c["m_heads"], c["m_heads"] * c["m_hd"])
+    assert shapes["token_embd.weight"] == (c["vocab"], c["embd"]) and ("output.weight" in shapes) == (not c["tied"])

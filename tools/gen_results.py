@@ -27,7 +27,9 @@ STAMP_KEY = "results-data"
 
 
 def _cells(src: dict) -> List[dict]:
-    data = json.loads((ROOT / "docs" / src["file"]).read_text(encoding="utf-8"))[0]
+    runs = json.loads((ROOT / "docs" / src["file"]).read_text(encoding="utf-8"))
+    # one target per run in the file; ``target`` picks one by its file name (default: the first)
+    data = next(r for r in runs if Path(r["target"]).name == src["target"]) if "target" in src else runs[0]
     return [c for c in data["cells"] if all(abs(c[k] - v) < 1e-9 for k, v in src.items() if k in ("R", "P"))]
 
 

@@ -186,7 +186,8 @@ from pyllama_dspark.gguf.target_sizes import (ALL_SIZES as _ALL_SIZES, TARGET_TY
 @click.option("--size", type=click.Choice(_ALL_SIZES, case_sensitive=False), default=None,
               help="Real model shape (layers, width, heads, KV heads, head size, FFN width, vocabulary, tied "
                    "embeddings, RoPE base) instead of the small default: qwen3 0.6b / 1.7b / 4b / 8b (Qwen3), "
-                   "llama 1b / 3b (Llama 3.2), gemma4 12b (Gemma 4 12B), qwen35 4b (Qwen3.5-4B's text backbone).  "
+                   "llama 1b / 3b (Llama 3.2), gemma4 12b (Gemma 4 12B), qwen35 4b (Qwen3.5-4B's text backbone), "
+                   "nemotron_h 8b (Nemotron-H-8B).  "
                    "Weights F16 unless --type.")
 @click.option("--type", "qtype", type=click.Choice(_TARGET_TYPES, case_sensitive=False), default=None,
               help="Type of every weight matrix (norms stay F32): f16, or q8_0 / q4_0 / q4_k_m made by "

@@ -57,13 +57,21 @@ MAMBA_GROUPS = 2            # Nemotron-H: 8
 MAMBA_HEAD_DIM = 32         # Nemotron-H: 64 (d_inner = 2 n_embd = heads x head_dim)
 
 
-def layer_kinds(arch: str, n_layer: int, attn_interval: int = 0) -> List[str]:
+#: Nemotron-H's ``hybrid_override_pattern`` letters
+PATTERN_LETTERS = {"M": "recr", "*": "attn", "-": "mlp"}
+
+
+def layer_kinds(arch: str, n_layer: int, attn_interval: int = 0, pattern: str = "") -> List[str]:
     """``"attn"`` / ``"recr"`` / ``"mlp"`` per layer: :data:`LAYER_PATTERN` repeated, or with
-    ``attn_interval`` one attention layer after every ``attn_interval - 1`` recurrent ones (an attention
+    ``attn_interval`` one attention layer after every ``attn_interval - 1`` recurrent ones, or a
+    ``hybrid_override_pattern`` string (``M`` Mamba-2, ``*`` attention, ``-`` MLP) repeated (an attention
     layer at least: the last recurrent one is made attention when the pattern gave none)."""
     if arch not in LAYER_PATTERN:
         raise ValueError(f"{arch!r} is not a hybrid target arch ({', '.join(HYBRID_TARGET_ARCHS)})")
-    pat = ("recr",) * (attn_interval - 1) + ("attn",) if attn_interval else LAYER_PATTERN[arch]
+    if pattern and set(pattern) - set(PATTERN_LETTERS):
+        raise ValueError(f"layer pattern {pattern!r}: only {''.join(PATTERN_LETTERS)}")
+    pat = (tuple(PATTERN_LETTERS[c] for c in pattern) if pattern else
+           ("recr",) * (attn_interval - 1) + ("attn",) if attn_interval else LAYER_PATTERN[arch])
     kinds = [pat[il % len(pat)] for il in range(n_layer)]
     if "attn" not in kinds:
         kinds[max(il for il, k in enumerate(kinds) if k == "recr")] = "attn"
@@ -73,17 +81,19 @@ def layer_kinds(arch: str, n_layer: int, attn_interval: int = 0) -> List[str]:
 def add_hybrid(arch: str, kv: Callable, plan: list, put: Callable, weight: Callable,
                no_write: Callable, rng: np.random.Generator, res: np.ndarray, wenc: str, *, n_vocab: int,
                n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int, n_expert: int,
-               n_ff_exp: int, router_gain: float, gdn: Tuple[int, int, int] = (), attn_interval: int = 0) -> None:
+               n_ff_exp: int, router_gain: float, gdn: Tuple[int, int, int] = (), attn_interval: int = 0,
+               mamba: Tuple[int, int, int] = (), pattern: str = "") -> None:
     """Add the hybrid ``arch``'s hyper-parameters to the metadata (through the writer's ``kv``, which
     overwrites its scalar keys where the arch wants per-layer arrays) and its per-layer tensors to
     ``plan`` (through the writer's ``put`` / ``weight``; ``no_write`` zeroes the rows of an output
     projection that would write into the MoE routing dimensions ``res``).  ValueError on shapes the
     loader or the graph would refuse.  ``gdn``: Gated DeltaNet (key heads, value heads, head size) when
     they are not the attention's (KV heads, query heads, head size); ``attn_interval``: see
-    :func:`layer_kinds` (``full_attention_interval``)."""
+    :func:`layer_kinds` (``full_attention_interval``); ``mamba``: Mamba-2 (head size, state size, groups)
+    instead of the small defaults; ``pattern``: Nemotron-H's ``hybrid_override_pattern``."""
     if n_layer < 2:
         raise ValueError(f"n_layer must be >= 2 for {arch} (recurrent and attention layers), got {n_layer}")
-    kinds = layer_kinds(arch, n_layer, attn_interval)
+    kinds = layer_kinds(arch, n_layer, attn_interval, pattern)
     vt = _vt()
     a = arch
     out_w = no_write if res.size else None     # output projections of the MoE targets keep off `res`
@@ -152,17 +162,18 @@ def add_hybrid(arch: str, kv: Callable, plan: list, put: Callable, weight: Calla
         return
     if arch == "nemotron_h":
         d_inner = 2 * n_embd
-        if d_inner % MAMBA_HEAD_DIM or d_inner % MAMBA_GROUPS:
+        m_hd, d_st, n_grp = mamba or (MAMBA_HEAD_DIM, MAMBA_D_STATE, MAMBA_GROUPS)
+        if d_inner % m_hd or d_inner % n_grp:
             raise ValueError(f"nemotron_h: d_inner 2 * n_embd = {d_inner} must be a multiple of the Mamba-2 head "
-                             f"size {MAMBA_HEAD_DIM} and group count {MAMBA_GROUPS}")
-        n_ssm_head = d_inner // MAMBA_HEAD_DIM
+                             f"size {m_hd} and group count {n_grp}")
+        n_ssm_head = d_inner // m_hd
         kv(f"{a}.attention.head_count_kv", [n_head_kv if k == "attn" else 0 for k in kinds], vt.ARRAY, vt.INT32)
         kv(f"{a}.feed_forward_length", [n_ff if k == "mlp" else 0 for k in kinds], vt.ARRAY, vt.INT32)
         kv(f"{a}.attention.layer_norm_epsilon", 1e-5)
         kv(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
         kv(f"{a}.ssm.conv_kernel", MAMBA_CONV_KERNEL)
-        kv(f"{a}.ssm.state_size", MAMBA_D_STATE)
-        kv(f"{a}.ssm.group_count", MAMBA_GROUPS)
+        kv(f"{a}.ssm.state_size", d_st)
+        kv(f"{a}.ssm.group_count", n_grp)
         kv(f"{a}.ssm.time_step_rank", n_ssm_head)
         kv(f"{a}.ssm.inner_size", d_inner)
         for il, kind in enumerate(kinds):
@@ -173,7 +184,7 @@ def add_hybrid(arch: str, kv: Callable, plan: list, put: Callable, weight: Calla
             elif kind == "mlp":
                 _ffn(p, weight, n_embd, n_ff, gate=False)
             else:
-                _mamba2(p, put, weight, rng, n_embd, d_inner, n_ssm_head)
+                _mamba2(p, put, weight, rng, n_embd, d_inner, n_ssm_head, d_st, n_grp)
         return
     raise ValueError(f"{arch!r} is not a hybrid target arch ({', '.join(HYBRID_TARGET_ARCHS)})")
 
@@ -252,12 +263,13 @@ def _moe(p: str, put, weight, no_write, rng, res: np.ndarray, wenc: str, n_embd:
     weight(p + "ffn_down_shexp.weight", (n_embd, n_ff_exp), n_ff_exp, no_write)
 
 
-def _mamba2(p: str, put, weight, rng, n_embd: int, d_inner: int, n_head: int) -> None:
+def _mamba2(p: str, put, weight, rng, n_embd: int, d_inner: int, n_head: int, d_state: int = MAMBA_D_STATE,
+            groups: int = MAMBA_GROUPS) -> None:
     """Mamba-2 mixer: in_proj -> [z | x B C | dt], causal conv (+ bias) over x B C, selective scan
     with per-head A / D / dt bias, z-gated grouped RMS norm, out_proj."""
     f32 = np.float32
-    conv_ch = d_inner + 2 * MAMBA_GROUPS * MAMBA_D_STATE
-    weight(p + "ssm_in.weight", (2 * d_inner + 2 * MAMBA_GROUPS * MAMBA_D_STATE + n_head, n_embd), n_embd)
+    conv_ch = d_inner + 2 * groups * d_state
+    weight(p + "ssm_in.weight", (2 * d_inner + 2 * groups * d_state + n_head, n_embd), n_embd)
     weight(p + "ssm_conv1d.weight", (conv_ch, MAMBA_CONV_KERNEL), MAMBA_CONV_KERNEL, enc="f32")
     put(p + "ssm_conv1d.bias", (conv_ch,), lambda: np.zeros((conv_ch,), dtype=f32))
 
@@ -268,6 +280,5 @@ def _mamba2(p: str, put, weight, rng, n_embd: int, d_inner: int, n_head: int) ->
     put(p + "ssm_dt.bias", (n_head,), dt_bias)
     put(p + "ssm_a", (n_head, 1), lambda: -rng.uniform(1.0, 16.0, size=(n_head, 1)).astype(f32))
     put(p + "ssm_d", (n_head, 1), lambda: np.ones((n_head, 1), dtype=f32))
-    put(p + "ssm_norm.weight", (MAMBA_GROUPS, d_inner // MAMBA_GROUPS),
-        lambda: np.ones((MAMBA_GROUPS, d_inner // MAMBA_GROUPS), dtype=f32))
+    put(p + "ssm_norm.weight", (groups, d_inner // groups), lambda: np.ones((groups, d_inner // groups), dtype=f32))
     weight(p + "ssm_out.weight", (n_embd, d_inner), d_inner)

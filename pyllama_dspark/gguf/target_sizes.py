@@ -39,6 +39,13 @@ Where the numbers come from:
   layer in every 4 (8 of 32) -- a public comparison table of the 4B and 27B ``config.json`` files, and
   the same numbers as the class defaults of transformers' ``Qwen3_5TextConfig`` (head sizes 128,
   kernel 4, interval 4).  About 4.2B parameters so counted.
+* Nemotron-H 8B (``nvidia/Nemotron-H-8B-Base-8K``, arch ``nemotron_h``): its ``config.json`` as
+  NVIDIA-NeMo/Megatron-Bridge's ``tests/unit_tests/models/nemotronh/test_nemotron_h_bridge.py`` copies
+  it (``nemotronh_8b_config_dict``): 52 layers by ``hybrid_override_pattern``
+  ``M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-`` (24 Mamba-2, 4 attention, 24 MLP), hidden
+  4096, 32 attention heads, 8 KV heads of 128, squared-ReLU MLP of 21504, Mamba-2 128 heads of 64
+  (expand 2), state 128, 8 groups, conv kernel 4, eps 1e-5, vocabulary 131,072, untied.  About 8.1B
+  parameters so counted.
 """
 
 from __future__ import annotations
@@ -86,6 +93,11 @@ class SizeSpec:
     linear_v_heads: int = 0
     linear_head_dim: int = 0
     attn_interval: int = 0
+    # nemotron_h: Mamba-2 head size, state size and groups, and the hybrid_override_pattern
+    mamba_head_dim: int = 0
+    mamba_d_state: int = 0
+    mamba_groups: int = 0
+    layer_pattern: str = ""
 
 
 _Q3 = dict(arch="qwen3", n_vocab=151936, rope_theta=1e6, rms_eps=1e-6, context_length=40960, head_dim=128)
@@ -109,6 +121,11 @@ TARGET_SIZES: "OrderedDict[Tuple[str, str], SizeSpec]" = OrderedDict(((s.arch, s
     SizeSpec(arch="qwen35", size="4b", n_layer=32, n_embd=2560, n_head=16, n_head_kv=4, head_dim=256, n_ff=9216,
              n_vocab=248320, tied=True, rope_theta=1e7, rms_eps=1e-6, context_length=262144,
              linear_k_heads=16, linear_v_heads=32, linear_head_dim=128, attn_interval=4),
+    # nvidia/Nemotron-H-8B-Base-8K config.json (see the module docstring)
+    SizeSpec(arch="nemotron_h", size="8b", n_layer=52, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=21504,
+             n_vocab=131072, tied=False, rope_theta=10000.0, rms_eps=1e-5, context_length=8192,
+             mamba_head_dim=64, mamba_d_state=128, mamba_groups=8,
+             layer_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"),
 ))
 
 #: ``make-test-target --type`` values: the type of every weight matrix (quantized by llama.cpp:

@@ -416,7 +416,9 @@ def plan_test_target(
                    n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, n_expert=n_expert,
                    n_ff_exp=n_ff_exp, router_gain=float(router_gain),
                    gdn=(sz.linear_k_heads, sz.linear_v_heads, sz.linear_head_dim) if sz and sz.linear_k_heads else (),
-                   attn_interval=sz.attn_interval if sz else 0)
+                   attn_interval=sz.attn_interval if sz else 0,
+                   mamba=(sz.mamba_head_dim, sz.mamba_d_state, sz.mamba_groups) if sz and sz.mamba_head_dim else (),
+                   pattern=sz.layer_pattern if sz else "")
         return a, meta, plan
     gain = f32(router_gain)
     # tied gemma4: the input embedding (x sqrt(n_embd) in the graph) is the token's own output row, so
