@@ -256,13 +256,18 @@ def _qwen35_params(c):
             + (c["layers"] - n_attn) * gdn)
 
 
+def _planned_by_law(arch, size, law, c):
+    """The planned target's (metadata, shapes), after checking its parameter count against ``law(c)``."""
+    _, meta, plan = plan_test_target(arch, size=size)
+    total, _ = count_params(plan)
+    print(f"{arch} {size}: {total / 1e9:.3f}B parameters")
+    assert total == law(c)
+    return meta, {t.name: t.shape for t in plan}
+
+
 def test_qwen35_4b_is_the_published_shape():
     c = QWEN35_4B
-    a, meta, plan = plan_test_target("qwen35", size="4b")
-    shapes = {t.name: t.shape for t in plan}
-    total, _ = count_params(plan)
-    print(f"qwen35 4b: {total / 1e9:.3f}B parameters (text backbone)")
-    assert total == _qwen35_params(c)
+    meta, shapes = _planned_by_law("qwen35", "4b", _qwen35_params, c)
     assert _meta(meta, "qwen35.block_count") == c["layers"] and _meta(meta, "qwen35.embedding_length") == c["embd"]
     assert _meta(meta, "qwen35.attention.head_count") == c["heads"]
     assert _meta(meta, "qwen35.attention.head_count_kv") == c["kv"]
@@ -306,11 +311,7 @@ def _nemotron_h_params(c):
 
 def test_nemotron_h_8b_is_the_published_shape():
     c = NEMOTRON_H_8B
-    a, meta, plan = plan_test_target("nemotron_h", size="8b")
-    shapes = {t.name: t.shape for t in plan}
-    total, _ = count_params(plan)
-    print(f"nemotron_h 8b: {total / 1e9:.3f}B parameters")
-    assert total == _nemotron_h_params(c)
+    meta, shapes = _planned_by_law("nemotron_h", "8b", _nemotron_h_params, c)
     kv_arr = _meta(meta, "nemotron_h.attention.head_count_kv")
     ff_arr = _meta(meta, "nemotron_h.feed_forward_length")
     for il, letter in enumerate(c["pattern"]):
