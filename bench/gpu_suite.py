@@ -93,7 +93,8 @@ def made_target(spec: str, out: str) -> str:
     """The path of TARGET, writing ``make:ARCH`` / ``make:ARCH:SIZE`` targets into ``out`` first."""
     if not spec.startswith("make:"):
         return spec
-    arch, size = spec.split(":")[1], (spec.split(":") + [""])[2]
+    _, arch, *rest = spec.split(":")
+    size = rest[0] if rest else ""
     os.makedirs(out, exist_ok=True)
     if size:
         from pyllama_dspark.gguf.target_sizes import get_size

@@ -125,8 +125,8 @@ def add_hybrid(arch: str, kv: Callable, plan: list, put: Callable, weight: Calla
     if arch in ("qwen35", "qwen35moe", "qwen3next"):
         if n_head % n_head_kv:
             raise ValueError(f"{arch}: n_head {n_head} must be a multiple of n_head_kv {n_head_kv}")
-        # Gated DeltaNet heads: as many key heads as KV heads, value heads as query heads, both of
-        # head_dim (Qwen3.5-9B: 16 key / 32 value heads of 128)
+        # Gated DeltaNet heads, unless `gdn` gives them (the --size shapes): as many key heads as KV
+        # heads, value heads as query heads, both of head_dim (Qwen3.5-9B: 16 key / 32 value heads of 128)
         n_k, n_v, d_state = gdn or (n_head_kv, n_head, head_dim)
         n_rot = max(2, head_dim // 4)              # partial_rotary_factor 0.25
         kv(f"{a}.rope.dimension_count", n_rot)
