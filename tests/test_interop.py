@@ -370,7 +370,9 @@ def hf_target(tmp_path_factory, target_path):
 
 
 def _reference(ck, hf_target, out, outtype):
-    res = subprocess.run([sys.executable, os.path.join(LLAMA_CPP_SRC, "convert_hf_to_gguf.py"), str(ck),
+    """llama.cpp's own converter (the vendored ``convert_hf_to_gguf.py``) on checkpoint ``ck``."""
+    src = LLAMA_CPP_SRC or str(vendored_llama_cpp())
+    res = subprocess.run([sys.executable, os.path.join(src, "convert_hf_to_gguf.py"), str(ck),
                           "--target-model-dir", str(hf_target), "--outfile", str(out), "--outtype", outtype],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -426,6 +428,27 @@ def _mask_embedding_case(tmp_path, target_path, hf_target):
 _GENERAL_DIFF = {"general.name", "general.size_label", "general.basename", "general.finetune"}
 
 
+def assert_matches_reference(ours, ref, outtype):
+    """Our conversion against llama.cpp's (``ref``): every key but the names llama.cpp derives from the
+    folder, the same tensors bit for bit, fc.weight aside (ours stays F32).  Returns our (metadata,
+    reader, tensors) and the tensors whose types differ."""
+    mo, ro = _meta(ours)
+    mr, rr = _meta(ref)
+    assert set(mr) - set(mo) - _GENERAL_DIFF == set() and set(mo) - set(mr) == set()
+    for k in mo:
+        if k not in _GENERAL_DIFF:
+            assert mo[k] == mr[k], k
+    to, tr = _tensors(ro), _tensors(rr)
+    assert sorted(to) == sorted(tr)          # same tensors (llama.cpp writes them in checkpoint order)
+    differ = {n for n in to if to[n][0] != tr[n][0]}
+    assert differ <= {"fc.weight"}          # our one deviation: fc.weight stays F32
+    for n in set(to) - differ:
+        assert to[n][1] == tr[n][1], n
+    if differ:
+        assert tr["fc.weight"][0] == outtype.upper() and to["fc.weight"][0] == "F32"
+    return mo, ro, to, differ
+
+
 def _options(cfg):
     """Every optional DFlash setting at once: SWA, logit scale + soft-capping, embedding scale, causal,
     interleaved RoPE, partial rotary factor, attention value scale."""
@@ -458,20 +481,7 @@ def test_matches_llama_cpp_converter(variant, outtype, tmp_path, target_path, hf
         json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
     ref = _reference(ck, hf_target, tmp_path / "ref.gguf", outtype)
     ours = convert_checkpoint(ck, target_path, tmp_path / "ours.gguf", outtype=outtype)
-    mo, ro = _meta(ours)
-    mr, rr = _meta(ref)
-    assert set(mr) - set(mo) - _GENERAL_DIFF == set() and set(mo) - set(mr) == set()
-    for k in mo:
-        if k not in _GENERAL_DIFF:
-            assert mo[k] == mr[k], k
-    to, tr = _tensors(ro), _tensors(rr)
-    assert sorted(to) == sorted(tr)          # same tensors (llama.cpp writes them in checkpoint order)
-    differ = {n for n in to if to[n][0] != tr[n][0]}
-    assert differ <= {"fc.weight"}          # our one deviation: fc.weight stays F32
-    for n in set(to) - differ:
-        assert to[n][1] == tr[n][1], n
-    if differ:
-        assert tr["fc.weight"][0] == outtype.upper() and to["fc.weight"][0] == "F32"
+    mo, ro, to, _ = assert_matches_reference(ours, ref, outtype)
     if variant == "mask_embedding":
         emb = np.array(ro.tensors[0].data) if ro.tensors[0].name == "token_embd.weight" else None
         tgt = _target_embeddings(target_path)

@@ -20,7 +20,6 @@ llama.cpp's own converter on the same checkpoint (the same GGUF), and ``crossche
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -176,30 +175,12 @@ def test_convert_equals_llama_cpp_converter(user_folder, tmp_path):
     """llama.cpp's converter on the same checkpoint gives the same GGUF: every key but the names it
     derives from the folder, every tensor bit for bit, fc.weight aside (ours stays F32, as in
     test_interop)."""
-    import sys
-
-    from test_interop import _GENERAL_DIFF, _meta, _tensors, build_hf_target
+    from test_interop import _reference, assert_matches_reference, build_hf_target
     from pyllama_dspark.interop.convert import convert_checkpoint
-    from pyllama_dspark.upstream.llama_server_build import vendored_llama_cpp
 
-    src = str(vendored_llama_cpp())
     hf = build_hf_target(str(user_folder / TARGET_NAME), tmp_path / "hf-target")
-    ref = tmp_path / "ref.gguf"
-    p = subprocess.run([sys.executable, os.path.join(src, "convert_hf_to_gguf.py"), str(user_folder / CK_NAME),
-                        "--target-model-dir", str(hf), "--outfile", str(ref), "--outtype", "bf16"],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
+    ref = _reference(user_folder / CK_NAME, hf, tmp_path / "ref.gguf", "bf16")
     ours = convert_checkpoint(str(user_folder / CK_NAME), str(user_folder / TARGET_NAME), str(tmp_path / "ours.gguf"),
                               outtype="bf16")
-    (mo, ro), (mr, rr) = _meta(ours), _meta(str(ref))
-    assert set(mr) - set(mo) - _GENERAL_DIFF == set() and set(mo) - set(mr) == set()
-    for k in mo:
-        if k not in _GENERAL_DIFF:
-            assert mo[k] == mr[k], k
-    to, tr = _tensors(ro), _tensors(rr)
-    assert sorted(to) == sorted(tr)
-    for n in to:
-        if n == "fc.weight":
-            assert (to[n][0], tr[n][0]) == ("F32", "BF16")
-        else:
-            assert to[n] == tr[n], n
+    *_, differ = assert_matches_reference(ours, str(ref), "bf16")
+    assert differ == {"fc.weight"}          # BF16 in the checkpoint: llama.cpp keeps it, ours is F32
